@@ -1,0 +1,28 @@
+# make train: set up .venv and train on the built-in data; make test: set up and run the tests.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch is pinned to the CPU build these machines carry; on a GPU machine install the torch
+# build for your CUDA first (pip install torch) and `make setup TORCH=` skips the pin.
+TORCH ?= torch==2.13.0
+
+.PHONY: setup train test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+setup: $(BIN)/python
+	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -e ".[dev]"
+
+train: setup
+	$(BIN)/python train.py $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest $(ARGS)
+
+lint: setup
+	PATH="$(CURDIR)/$(BIN):$$PATH" pre-commit run --all-files
+
+clean:
+	rm -rf logs .pytest_cache .ruff_cache

@@ -1,0 +1,129 @@
+"""One LightningDataModule for the built-in shapes and for the user's own image folder."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from navit_lightning.data import shapes
+from navit_lightning.data.folder import ImageFolder, find_classes, list_images
+from navit_lightning.data.packing import PackCollate, PackedShape
+from navit_lightning.data.sampler import PackedBatchSampler
+
+
+class PackedImageDataModule(L.LightningDataModule):
+    """Class-folder images at native resolution, packed into fixed-shape token batches.
+
+    `root` holds <class>/ folders, or train/ and val/ (and optionally test/) each holding them;
+    without val/ a seeded `val_fraction` of the images is held out. With `generate` set, the
+    built-in shapes set is written to `root` first (once, on one process per node).
+    """
+
+    def __init__(
+        self,
+        root: str,
+        patch_size: int = 16,
+        max_patches: int = 256,
+        rows: int = 16,
+        row_len: int = 256,
+        max_images_per_row: int = 16,
+        lookahead: int = 512,
+        val_fraction: float = 0.1,
+        num_workers: int | None = None,
+        pin_memory: bool = True,
+        seed: int = 0,
+        generate: shapes.ShapesSpec | None = None,
+    ) -> None:
+        super().__init__()
+        self.root = Path(root)
+        self.patch_size = patch_size
+        self.max_patches = max_patches
+        self.shape = PackedShape(rows, row_len, max_images_per_row)
+        self.lookahead = lookahead
+        self.val_fraction = val_fraction
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.seed = seed
+        self.generate = generate
+        if max_patches > row_len:
+            raise ValueError(
+                f"data.max_patches={max_patches} exceeds data.row_len={row_len}: "
+                "an image would not fit a row; raise data.row_len or lower data.max_patches"
+            )
+        self.datasets: dict[str, ImageFolder] = {}
+
+    @property
+    def num_classes(self) -> int:
+        if self.generate is not None:
+            return len(shapes.CLASSES)
+        return len(self.class_names())
+
+    def class_names(self) -> list[str]:
+        train_dir = self.root / "train"
+        return find_classes(train_dir if train_dir.is_dir() else self.root)
+
+    def prepare_data(self) -> None:
+        if self.generate is not None:
+            shapes.generate(self.root, self.generate, workers=os.cpu_count() or 1)
+
+    def setup(self, stage: str) -> None:
+        if self.datasets:
+            return
+        classes = self.class_names()
+        if (self.root / "train").is_dir():
+            train = list_images(self.root / "train", classes)
+            val = list_images(self.root / "val", classes) if (self.root / "val").is_dir() else None
+            test = list_images(self.root / "test", classes) if (self.root / "test").is_dir() else None
+        else:
+            train, val, test = list_images(self.root, classes), None, None
+        if val is None:
+            random.Random(self.seed).shuffle(train)
+            held_out = max(1, round(len(train) * self.val_fraction))
+            train, val = train[held_out:], train[:held_out]
+        splits = {"train": train, "val": val, "test": test or val}
+        self.datasets = {
+            name: ImageFolder(items, self.patch_size, self.max_patches) for name, items in splits.items()
+        }
+
+    def _loader(self, split: str, shuffle: bool) -> DataLoader:
+        dataset = self.datasets[split]
+        trainer = self.trainer
+        batch_sampler = PackedBatchSampler(
+            dataset.token_lengths(),
+            self.shape,
+            shuffle=shuffle,
+            seed=self.seed,
+            lookahead=self.lookahead,
+            num_replicas=trainer.world_size if trainer else 1,
+            rank=trainer.global_rank if trainer else 0,
+        )
+        workers = self._num_workers()
+        return DataLoader(
+            dataset,
+            batch_sampler=batch_sampler,
+            collate_fn=PackCollate(self.shape, self.patch_size**2 * 3),
+            num_workers=workers,
+            pin_memory=self.pin_memory and torch.cuda.is_available(),
+            persistent_workers=workers > 0,
+        )
+
+    def _num_workers(self) -> int:
+        if self.num_workers is not None:
+            return self.num_workers
+        # The CPU cores of this node shared by its processes, one left for each training loop.
+        local_processes = self.trainer.num_devices if self.trainer else 1
+        return max(1, min(8, (os.cpu_count() or 1) // local_processes - 1))
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val", shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test", shuffle=False)

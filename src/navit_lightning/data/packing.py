@@ -1,0 +1,126 @@
+"""Packing variable-size images into fixed-shape batches of rows (Patch n' Pack).
+
+A batch is R rows of L tokens with at most K images per row. Every field keeps the row as
+dim 0 and refers only to its own row, so any split along dim 0 is itself a valid batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+PAD_ID = -1
+IGNORE_LABEL = -100
+
+
+class PackedBatch(NamedTuple):
+    patches: torch.Tensor  # (R, L, p*p*C) uint8 pixels, normalised on the device
+    coords: torch.Tensor  # (R, L, 2) (y, x) of each patch in its image's grid
+    image_ids: torch.Tensor  # (R, L) image slot of each token in its row; PAD_ID for padding
+    grid: torch.Tensor  # (R, K, 2) (h, w) in patches of each slot; 0 for an empty slot
+    labels: torch.Tensor  # (R, K) class of each slot; IGNORE_LABEL for an empty slot
+
+    @property
+    def num_images(self) -> int:
+        return int((self.labels != IGNORE_LABEL).sum())
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int((self.image_ids != PAD_ID).sum())
+
+
+@dataclass(frozen=True)
+class PackedShape:
+    """The static shape of every batch: rows x row_len tokens, max_images slots per row."""
+
+    rows: int
+    row_len: int
+    max_images: int
+
+    def __post_init__(self) -> None:
+        if min(self.rows, self.row_len, self.max_images) < 1:
+            raise ValueError(f"PackedShape needs positive sizes, got {self}")
+
+
+class ImageTooLongError(ValueError):
+    pass
+
+
+def first_fit_decreasing(lengths: Sequence[int], shape: PackedShape) -> tuple[list[list[int]], list[int]]:
+    """Place items (by token length) into `shape.rows` rows, largest first, each into the
+    first row with room for its tokens and a free slot.
+
+    Returns (rows of item positions, positions that did not fit). The placement of the items
+    that fit does not depend on those that did not, so packing exactly the placed items
+    again reproduces the same rows.
+    """
+    free_tokens = [shape.row_len] * shape.rows
+    rows: list[list[int]] = [[] for _ in range(shape.rows)]
+    left_over: list[int] = []
+    for pos in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[pos]
+        if n > shape.row_len:
+            raise ImageTooLongError(
+                f"an image of {n} patches does not fit a row of {shape.row_len} tokens: "
+                f"raise data.row_len or lower data.max_patches"
+            )
+        row = next(
+            (r for r in range(shape.rows) if free_tokens[r] >= n and len(rows[r]) < shape.max_images),
+            None,
+        )
+        if row is None:
+            left_over.append(pos)
+        else:
+            rows[row].append(pos)
+            free_tokens[row] -= n
+    return rows, sorted(left_over)
+
+
+class ImageSample(NamedTuple):
+    patches: torch.Tensor  # (n, p*p*C) uint8
+    coords: torch.Tensor  # (n, 2) long (y, x)
+    grid: tuple[int, int]  # (h, w) in patches
+    label: int
+
+
+def pack(samples: Sequence[ImageSample], shape: PackedShape, patch_dim: int) -> PackedBatch:
+    """Lay the samples out into one PackedBatch; all of them must fit. An empty list gives an
+    all-padding batch (a rank's filler step, see PackedBatchSampler)."""
+    rows, left_over = first_fit_decreasing([len(s.patches) for s in samples], shape)
+    if left_over:
+        raise ValueError(f"{len(left_over)} of {len(samples)} images do not fit one batch of {shape}")
+    R, L, K = shape.rows, shape.row_len, shape.max_images
+    patches = torch.zeros(R, L, patch_dim, dtype=torch.uint8)
+    coords = torch.zeros(R, L, 2, dtype=torch.long)
+    image_ids = torch.full((R, L), PAD_ID, dtype=torch.long)
+    grid = torch.zeros(R, K, 2, dtype=torch.long)
+    labels = torch.full((R, K), IGNORE_LABEL, dtype=torch.long)
+    for r, members in enumerate(rows):
+        start = 0
+        for slot, pos in enumerate(members):
+            sample = samples[pos]
+            end = start + len(sample.patches)
+            patches[r, start:end] = sample.patches
+            coords[r, start:end] = sample.coords
+            image_ids[r, start:end] = slot
+            grid[r, slot] = torch.tensor(sample.grid)
+            labels[r, slot] = sample.label
+            start = end
+    return PackedBatch(patches, coords, image_ids, grid, labels)
+
+
+class PackCollate:
+    """DataLoader collate_fn: a list of ImageSample -> PackedBatch of a fixed shape.
+
+    A class rather than a closure so that ddp_spawn can pickle it.
+    """
+
+    def __init__(self, shape: PackedShape, patch_dim: int) -> None:
+        self.shape = shape
+        self.patch_dim = patch_dim
+
+    def __call__(self, samples: Sequence[ImageSample]) -> PackedBatch:
+        return pack(samples, self.shape, self.patch_dim)

@@ -1,0 +1,133 @@
+"""The built-in data set: geometric shapes on noisy, cluttered backgrounds, generated
+offline as ordinary image files (PNG and JPEG) in class folders, at many native
+resolutions and aspect ratios, so that the default run takes the same code path as a
+folder of real photos."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+from rich.progress import Progress
+
+CLASSES = ("circle", "square", "triangle", "cross", "star", "ring")
+SPLIT_SEED_OFFSET = {"train": 0, "val": 1_000_000, "test": 2_000_000}
+DONE_MARKER = "shapes.json"
+
+
+@dataclass(frozen=True)
+class ShapesSpec:
+    num_train: int = 6000
+    num_val: int = 1000
+    num_test: int = 1000
+    min_side: int = 32
+    max_side: int = 288
+    max_aspect: float = 2.5
+    seed: int = 0
+
+
+def _polygon(cx: float, cy: float, radii: list[float], angle: float) -> list[tuple[float, float]]:
+    step = 2 * math.pi / len(radii)
+    return [
+        (cx + r * math.cos(angle + i * step), cy + r * math.sin(angle + i * step))
+        for i, r in enumerate(radii)
+    ]
+
+
+def _draw_shape(
+    draw: ImageDraw.ImageDraw, name: str, cx: float, cy: float, r: float, angle: float, fill: tuple
+) -> None:
+    if name == "circle":
+        draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
+    elif name == "ring":
+        draw.ellipse((cx - r, cy - r, cx + r, cy + r), outline=fill, width=max(2, round(r * 0.3)))
+    elif name == "square":
+        draw.polygon(_polygon(cx, cy, [r] * 4, angle), fill=fill)
+    elif name == "triangle":
+        draw.polygon(_polygon(cx, cy, [r] * 3, angle), fill=fill)
+    elif name == "star":
+        draw.polygon(_polygon(cx, cy, [r, r * 0.4] * 5, angle), fill=fill)
+    elif name == "cross":
+        arm = r * 0.35
+        for theta in (angle, angle + math.pi / 2):
+            dx, dy = math.cos(theta), math.sin(theta)
+            ex, ey = -dy * arm, dx * arm  # half the arm's width, across it
+            draw.polygon(
+                [
+                    (cx - r * dx + ex, cy - r * dy + ey),
+                    (cx + r * dx + ex, cy + r * dy + ey),
+                    (cx + r * dx - ex, cy + r * dy - ey),
+                    (cx - r * dx - ex, cy - r * dy - ey),
+                ],
+                fill=fill,
+            )
+    else:
+        raise ValueError(f"unknown shape {name!r}")
+
+
+def render(label: int, rng: random.Random, spec: ShapesSpec) -> Image.Image:
+    """One image of CLASSES[label] at a random size and aspect ratio."""
+    side = math.exp(rng.uniform(math.log(spec.min_side), math.log(spec.max_side)))
+    aspect = math.exp(rng.uniform(-math.log(spec.max_aspect), math.log(spec.max_aspect)))
+    width = max(spec.min_side, round(side * math.sqrt(aspect)))
+    height = max(spec.min_side, round(side / math.sqrt(aspect)))
+    dark_background = rng.random() < 0.5
+    background = tuple(rng.randint(0, 90) if dark_background else rng.randint(165, 255) for _ in range(3))
+    image = Image.new("RGB", (width, height), background)
+    draw = ImageDraw.Draw(image)
+    short = min(width, height)
+    for _ in range(rng.randint(0, 6)):  # clutter: thin lines and dots well below the shape's size
+        x, y = rng.uniform(0, width), rng.uniform(0, height)
+        colour = tuple(rng.randint(0, 255) for _ in range(3))
+        if rng.random() < 0.5:
+            draw.line(
+                (x, y, x + rng.uniform(-short, short) / 3, y + rng.uniform(-short, short) / 3),
+                fill=colour,
+                width=1,
+            )
+        else:
+            d = max(1.0, short * 0.04)
+            draw.ellipse((x - d, y - d, x + d, y + d), fill=colour)
+    r = short * rng.uniform(0.3, 0.45)
+    cx, cy = rng.uniform(r, width - r), rng.uniform(r, height - r)
+    foreground = tuple(rng.randint(170, 255) if dark_background else rng.randint(0, 85) for _ in range(3))
+    _draw_shape(draw, CLASSES[label], cx, cy, r, rng.uniform(0, 2 * math.pi), foreground)
+    noise = Image.effect_noise((width, height), rng.uniform(10, 40)).convert("RGB")
+    return Image.blend(image, noise, rng.uniform(0.05, 0.25))
+
+
+def _write_one(job: tuple[Path, int, int, ShapesSpec]) -> None:
+    root, index, seed, spec = job
+    rng = random.Random(seed)
+    label = index % len(CLASSES)
+    image = render(label, rng, spec)
+    stem = root / CLASSES[label] / f"{index:06d}"
+    if index % 4:  # both common formats, as in a real photo folder (JPEG is the smaller)
+        image.save(stem.with_suffix(".jpg"), quality=92)
+    else:
+        image.save(stem.with_suffix(".png"))
+
+
+def generate(root: str | Path, spec: ShapesSpec = ShapesSpec(), workers: int = 2) -> Path:
+    """Write root/{train,val,test}/<class>/*.{png,jpg} unless a finished copy of this spec is there."""
+    root = Path(root)
+    marker = root / DONE_MARKER
+    if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
+        return root
+    counts = {"train": spec.num_train, "val": spec.num_val, "test": spec.num_test}
+    jobs = []
+    for split, count in counts.items():
+        for name in CLASSES:
+            (root / split / name).mkdir(parents=True, exist_ok=True)
+        jobs += [(root / split, i, spec.seed + SPLIT_SEED_OFFSET[split] + i, spec) for i in range(count)]
+    with Progress() as progress, ProcessPoolExecutor(workers) as pool:
+        task = progress.add_task(f"Generating the shapes data set in {root}", total=len(jobs))
+        for _ in pool.map(_write_one, jobs, chunksize=64):
+            progress.advance(task)
+    marker.write_text(json.dumps(asdict(spec)))
+    return root

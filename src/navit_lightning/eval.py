@@ -1,0 +1,57 @@
+"""Hydra entry point for evaluation: python eval.py ckpt_path=<run>/checkpoints/last.ckpt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from navit_lightning.train import CONFIG_DIR
+from navit_lightning.utils.instantiate import instantiate_group
+
+
+def load_run_config(ckpt_path: str) -> DictConfig:
+    """The training config stored in a checkpoint by StoreRunConfig."""
+    path = Path(ckpt_path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"checkpoint {path} does not exist: pass ckpt_path=<run>/checkpoints/last.ckpt"
+        )
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    if "run_config" not in checkpoint:
+        raise KeyError(
+            f"checkpoint {path} holds no run_config: it was not written by navit_lightning's train.py"
+        )
+    return OmegaConf.create(checkpoint["run_config"])
+
+
+def evaluate(cfg: DictConfig) -> dict[str, float]:
+    """Accuracy of the checkpoint's network on the chosen split of cfg.data."""
+    L.seed_everything(cfg.seed, workers=True)
+    run = load_run_config(cfg.ckpt_path)
+    with open_dict(cfg):
+        cfg.model = run.model  # the network must match the weights; the data may change
+    datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
+    model: L.LightningModule = hydra.utils.instantiate(cfg.model)
+    loggers = instantiate_group(cfg.get("logger"))
+    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, logger=loggers or False)
+    run_split = {"val": trainer.validate, "test": trainer.test}
+    if cfg.split not in run_split:
+        raise ValueError(f"split={cfg.split!r} is unknown: use split=val or split=test")
+    run_split[cfg.split](model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+    rank_zero_info(f"{cfg.split} accuracy: {metrics[f'{cfg.split}/acc']:.4f} ({cfg.ckpt_path})")
+    return metrics
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="eval")
+def main(cfg: DictConfig) -> None:
+    evaluate(cfg)
+
+
+if __name__ == "__main__":
+    main()

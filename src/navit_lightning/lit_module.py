@@ -1,0 +1,96 @@
+"""The LightningModule: NaViT over packed batches, cross-entropy per image, accuracy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import MaxMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from navit_lightning.data.packing import IGNORE_LABEL, PackedBatch
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer, int], torch.optim.lr_scheduler.LRScheduler]
+
+
+class NaViTClassifier(L.LightningModule):
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: OptimizerFactory,
+        scheduler: SchedulerFactory | None = None,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        self.net = net
+        self.optimizer_factory = optimizer
+        self.scheduler_factory = scheduler
+        self.compile = compile
+        num_classes = net.head[-1].out_features
+        # Keyed "<stage>_acc": a bare "train" key would clash with nn.Module.train.
+        self.accuracy = nn.ModuleDict(
+            {
+                f"{stage}_acc": MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_LABEL)
+                for stage in ("train", "val", "test")
+            }
+        )
+        self.val_acc_best = MaxMetric()
+
+    def setup(self, stage: str) -> None:
+        if self.compile and stage == "fit":
+            self.net = torch.compile(self.net)
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        return self.net(batch)
+
+    def _step(self, batch: PackedBatch, stage: str) -> torch.Tensor:
+        logits = self(batch).flatten(0, 1)  # (R*K, classes)
+        labels = batch.labels.flatten()
+        num_images = batch.num_images
+        # A sum over the real images, not a mean over slots: an all-padding filler batch
+        # (see PackedBatchSampler) then gives a zero loss instead of NaN.
+        loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_LABEL, reduction="sum")
+        loss = loss / max(num_images, 1)
+        self.accuracy[f"{stage}_acc"](logits, labels)
+        log = dict(batch_size=max(num_images, 1), sync_dist=stage != "train")
+        self.log(f"{stage}/loss", loss, prog_bar=True, on_step=stage == "train", on_epoch=True, **log)
+        self.log(
+            f"{stage}/acc", self.accuracy[f"{stage}_acc"], prog_bar=True, on_step=False, on_epoch=True, **log
+        )
+        if stage == "train":
+            self.log("train/images_per_batch", float(num_images), on_step=True, on_epoch=False)
+            self.log(
+                "train/fill", batch.num_real_tokens / batch.image_ids.numel(), on_step=True, on_epoch=False
+            )
+        return loss
+
+    def training_step(self, batch: PackedBatch, batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def test_step(self, batch: PackedBatch, batch_idx: int) -> None:
+        self._step(batch, "test")
+
+    def on_validation_epoch_end(self) -> None:
+        if not self.trainer.sanity_checking:
+            self.val_acc_best(self.accuracy["val_acc"].compute())
+            self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self) -> dict:
+        # No weight decay on biases, norms and other vectors (the usual ViT recipe).
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.ndim >= 2]},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        optimizer = self.optimizer_factory(params=groups)
+        if self.scheduler_factory is None:
+            return {"optimizer": optimizer}
+        scheduler = self.scheduler_factory(optimizer, self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,3 @@
+from navit_lightning.models.navit import NaViT
+
+__all__ = ["NaViT"]

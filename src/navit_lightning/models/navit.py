@@ -1,0 +1,118 @@
+"""NaViT: a ViT over packed rows of patches from images at their native resolution."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from navit_lightning.data.packing import PackedBatch
+from navit_lightning.models.attention import Attention, document_mask
+from navit_lightning.models.pooling import AttentionPool, MeanPool
+from navit_lightning.models.pos_embed import FactorizedPosEmbed
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, qk_norm: bool) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads, qk_norm)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    """uint8 flattened patches -> normalised pixels -> token vectors."""
+
+    def __init__(
+        self,
+        patch_size: int,
+        channels: int,
+        dim: int,
+        pixel_mean: Sequence[float],
+        pixel_std: Sequence[float],
+    ) -> None:
+        super().__init__()
+        self.channels = channels
+        patch_dim = patch_size * patch_size * channels
+        self.register_buffer("mean", torch.tensor(pixel_mean) * 255, persistent=False)
+        self.register_buffer("std", torch.tensor(pixel_std) * 255, persistent=False)
+        # No LayerNorm over a patch's pixels (vit-pytorch's NaViT has one): it rescales a
+        # flat, noisy patch to unit variance, erasing the brightness that tells inside from
+        # outside an object.
+        self.proj = nn.Sequential(nn.Linear(patch_dim, dim), nn.LayerNorm(dim))
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        """(R, L, p*p*C) uint8 -> (R, L, dim)."""
+        pixels = rearrange(patches, "r l (pp c) -> r l pp c", c=self.channels)
+        pixels = (pixels.to(self.mean.dtype) - self.mean) / self.std
+        return self.proj(rearrange(pixels, "r l pp c -> r l (pp c)"))
+
+
+class NaViT(nn.Module):
+    """Patch n' Pack ViT: per-image logits (R, K, num_classes) from a PackedBatch."""
+
+    def __init__(
+        self,
+        num_classes: int,
+        patch_size: int = 16,
+        channels: int = 3,
+        dim: int = 192,
+        depth: int = 12,
+        heads: int = 3,
+        mlp_ratio: float = 4.0,
+        qk_norm: bool = True,
+        max_grid: int = 64,
+        fractional_pos: bool = False,
+        pool: str = "attention",
+        pixel_mean: Sequence[float] = (0.5, 0.5, 0.5),
+        pixel_std: Sequence[float] = (0.5, 0.5, 0.5),
+    ) -> None:
+        super().__init__()
+        self.patch_size = patch_size
+        self.patch_embed = PatchEmbed(patch_size, channels, dim, pixel_mean, pixel_std)
+        self.pos_embed = FactorizedPosEmbed(dim, max_grid, fractional_pos)
+        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, qk_norm) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        pools = {"attention": lambda: AttentionPool(dim, heads), "mean": MeanPool}
+        if pool not in pools:
+            raise ValueError(f"model.pool={pool!r} is unknown: use one of {sorted(pools)}")
+        self.pool = pools[pool]()
+        self.head = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, num_classes))
+        self.apply(_init_weights)
+
+    def forward(self, batch: PackedBatch) -> torch.Tensor:
+        max_images = batch.grid.shape[1]
+        # Each token's image grid, for fractional positions: (R, L, 2).
+        slot = batch.image_ids.clamp(min=0)
+        token_grid = torch.gather(batch.grid, 1, slot[..., None].expand(-1, -1, 2))
+        x = self.patch_embed(batch.patches) + self.pos_embed(batch.coords, token_grid)
+        mask = document_mask(batch.image_ids)
+        for block in self.blocks:
+            x = block(x, mask)
+        pooled = self.pool(self.norm(x), batch.image_ids, max_images)
+        return self.head(pooled)
+
+
+def _init_weights(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        nn.init.trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)

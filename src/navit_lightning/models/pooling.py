@@ -1,0 +1,70 @@
+"""Per-image pooling over packed rows, without a dense mask.
+
+Tokens are reduced per segment (row, image slot) with scatter/index_add, so the cost is
+linear in the number of tokens whatever the number of images.
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from navit_lightning.data.packing import PAD_ID
+
+
+def segment_ids(image_ids: torch.Tensor, max_images: int) -> torch.Tensor:
+    """(R, L) slot ids -> (R*L,) flat segment ids r*K + slot; padding -> R*K (a dump segment)."""
+    rows = image_ids.shape[0]
+    row_offset = torch.arange(rows, device=image_ids.device)[:, None] * max_images
+    flat = torch.where(image_ids == PAD_ID, rows * max_images, row_offset + image_ids)
+    return flat.flatten()
+
+
+def segment_sum(values: torch.Tensor, segments: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """(N, ...) values summed into (num_segments, ...) by segment id."""
+    out = values.new_zeros((num_segments, *values.shape[1:]))
+    return out.index_add(0, segments, values)
+
+
+def segment_softmax(scores: torch.Tensor, segments: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """Softmax of (N, H) scores over the tokens of each segment."""
+    index = segments[:, None].expand_as(scores)
+    seg_max = scores.new_full((num_segments, scores.shape[1]), float("-inf"))
+    seg_max = seg_max.scatter_reduce(0, index, scores, reduce="amax", include_self=True)
+    weights = (scores - seg_max[segments].detach()).exp()
+    return weights / segment_sum(weights, segments, num_segments)[segments]
+
+
+class AttentionPool(nn.Module):
+    """A learned query per head attends over each image's tokens (as in NaViT's MAP head)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.query = nn.Parameter(torch.randn(heads, dim // heads) * 0.02)
+        self.kv = nn.Linear(dim, 2 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, image_ids: torch.Tensor, max_images: int) -> torch.Tensor:
+        """(R, L, D) tokens -> (R, K, D) one vector per image slot (empty slots are meaningless)."""
+        rows = x.shape[0]
+        segments = segment_ids(image_ids, max_images)
+        k, v = rearrange(self.kv(x), "r l (two h d) -> two (r l) h d", two=2, h=self.heads)
+        scores = (k * self.query).sum(-1) * k.shape[-1] ** -0.5  # (R*L, H)
+        weights = segment_softmax(scores.float(), segments, rows * max_images + 1)
+        pooled = segment_sum(weights.to(v.dtype)[..., None] * v, segments, rows * max_images + 1)
+        pooled = rearrange(pooled[:-1], "(r k) h d -> r k (h d)", r=rows)
+        return self.proj(pooled)
+
+
+class MeanPool(nn.Module):
+    """Mean of each image's tokens."""
+
+    def forward(self, x: torch.Tensor, image_ids: torch.Tensor, max_images: int) -> torch.Tensor:
+        rows = x.shape[0]
+        segments = segment_ids(image_ids, max_images)
+        tokens = rearrange(x, "r l d -> (r l) d")
+        sums = segment_sum(tokens, segments, rows * max_images + 1)
+        counts = segment_sum(torch.ones_like(tokens[:, :1]), segments, rows * max_images + 1)
+        return rearrange(sums[:-1] / counts[:-1].clamp(min=1), "(r k) d -> r k d", r=rows)

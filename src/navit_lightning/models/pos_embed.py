@@ -1,0 +1,33 @@
+"""Factorized 2D position embeddings: learned row (y) and column (x) tables, added."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class FactorizedPosEmbed(nn.Module):
+    """Embeds each token's (y, x) patch coordinate.
+
+    absolute: the table index is the coordinate itself, so max_grid bounds the image side.
+    fractional: the index is coordinate / grid side scaled to max_grid, so every image spans
+    the whole table whatever its resolution (NaViT's fractional embedding).
+    """
+
+    def __init__(self, dim: int, max_grid: int, fractional: bool = False) -> None:
+        super().__init__()
+        self.max_grid = max_grid
+        self.fractional = fractional
+        self.y = nn.Parameter(torch.randn(max_grid, dim) * 0.02)
+        self.x = nn.Parameter(torch.randn(max_grid, dim) * 0.02)
+
+    def forward(self, coords: torch.Tensor, token_grid: torch.Tensor) -> torch.Tensor:
+        """coords, token_grid: (R, L, 2) -> (R, L, dim)."""
+        if self.fractional:
+            coords = coords * self.max_grid // token_grid.clamp(min=1)
+        elif coords.numel() and int(coords.max()) >= self.max_grid:
+            raise ValueError(
+                f"an image is {int(coords.max()) + 1} patches long but model.max_grid="
+                f"{self.max_grid}: raise model.max_grid or lower data.max_patches"
+            )
+        return self.y[coords[..., 0]] + self.x[coords[..., 1]]

@@ -1,0 +1,56 @@
+"""Hydra entry point for training: python train.py [overrides] (see configs/train.yaml)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from navit_lightning.utils.callbacks import StoreRunConfig
+from navit_lightning.utils.instantiate import instantiate_group, log_config
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Fit (and optionally test) the model that `cfg` describes; returns the final metrics."""
+    L.seed_everything(cfg.seed, workers=True)
+    torch.set_float32_matmul_precision("high")
+    datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
+    with open_dict(cfg):
+        cfg.model.net.num_classes = datamodule.num_classes
+    model: L.LightningModule = hydra.utils.instantiate(cfg.model)
+    run_config = OmegaConf.to_container(cfg, resolve=True)
+    callbacks = [*instantiate_group(cfg.get("callbacks")), StoreRunConfig(run_config)]
+    loggers = instantiate_group(cfg.get("logger"))
+    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    log_config(cfg)
+    for logger in trainer.loggers:
+        logger.log_hyperparams(run_config)
+    rank_zero_info(
+        f"world size {trainer.world_size} ({trainer.num_nodes} node(s) x {trainer.num_devices} device(s)); "
+        f"each optimizer step packs {trainer.world_size * trainer.accumulate_grad_batches} x "
+        f"{cfg.data.rows} rows x {cfg.data.row_len} tokens"
+    )
+    if cfg.train:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+    if cfg.test:
+        best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+        trainer.test(model, datamodule=datamodule, ckpt_path=best or None)
+        metrics.update({name: float(value) for name, value in trainer.callback_metrics.items()})
+    return metrics
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    metrics = train(cfg)
+    return metrics.get(cfg.get("optimized_metric"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Shared fixtures: a small generated shapes set and a runner for the entry points."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from navit_lightning.data import shapes
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_SPEC = shapes.ShapesSpec(num_train=192, num_val=48, num_test=48, max_side=160)
+# Overrides that point a run at the tiny set and keep it short and quiet.
+TINY_RUN = [
+    f"data.generate.num_train={TINY_SPEC.num_train}",
+    f"data.generate.num_val={TINY_SPEC.num_val}",
+    f"data.generate.num_test={TINY_SPEC.num_test}",
+    f"data.generate.max_side={TINY_SPEC.max_side}",
+    "data.rows=4",
+    "data.num_workers=0",
+    "model.net.dim=32",
+    "model.net.depth=1",
+    "model.net.heads=2",
+    "trainer.max_epochs=1",
+    "trainer.log_every_n_steps=1",
+    "callbacks.progress_bar=null",
+    "callbacks.model_summary=null",
+]
+
+
+@pytest.fixture(scope="session")
+def project_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A PROJECT_ROOT for subprocess runs, its data/ holding the tiny shapes set."""
+    root = tmp_path_factory.mktemp("project")
+    shapes.generate(root / "data" / "shapes", TINY_SPEC)
+    return root
+
+
+@pytest.fixture
+def run_entry_point(project_root: Path, tmp_path: Path):
+    """Run train.py or eval.py in a subprocess with logs under a fresh PROJECT_ROOT."""
+    (tmp_path / "data").symlink_to(project_root / "data")
+
+    def run(script: str, *overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "HYDRA_FULL_ERROR": "1"}
+        result = subprocess.run(
+            [sys.executable, str(REPO / script), *overrides],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        assert result.returncode == 0, f"{script} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        return result
+
+    run.root = tmp_path
+    return run

@@ -1,0 +1,70 @@
+"""Every config file composes, and what it describes instantiates."""
+
+from pathlib import Path
+
+import hydra
+import lightning as L
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import open_dict
+
+from navit_lightning.train import CONFIG_DIR
+from navit_lightning.utils.instantiate import instantiate_group
+
+GROUPS = [
+    "data",
+    "model",
+    "optimizer",
+    "scheduler",
+    "strategy",
+    "trainer",
+    "callbacks",
+    "logger",
+    "experiment",
+    "debug",
+]
+OPTIONS = [
+    f"{group}={path.stem}" for group in GROUPS for path in sorted((Path(CONFIG_DIR) / group).glob("*.yaml"))
+]
+
+
+def compose_train(overrides: list[str], tmp_path: Path, project_root: Path):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+    HydraConfig().set_config(cfg)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(tmp_path)
+        cfg.paths.data_dir = str(project_root / "data")
+    return cfg
+
+
+def test_every_group_option_is_listed():
+    assert {option.split("=")[0] for option in OPTIONS} == set(GROUPS)
+    assert "strategy=ddp_spawn" in OPTIONS and "model=navit_base" in OPTIONS
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_option_composes_and_instantiates(option, tmp_path, project_root):
+    overrides = [option]
+    if option == "data=imagefolder":
+        overrides.append(f"data.root={project_root / 'data' / 'shapes'}")
+    cfg = compose_train(overrides, tmp_path, project_root)
+    datamodule = hydra.utils.instantiate(cfg.data)
+    assert isinstance(datamodule, L.LightningDataModule)
+    with open_dict(cfg):
+        cfg.model.net.num_classes = datamodule.num_classes
+    model = hydra.utils.instantiate(cfg.model)
+    assert isinstance(model, L.LightningModule)
+    trainer = hydra.utils.instantiate(
+        cfg.trainer,
+        callbacks=instantiate_group(cfg.get("callbacks")),
+        logger=instantiate_group(cfg.get("logger")) or False,
+    )
+    assert isinstance(trainer, L.Trainer)
+
+
+def test_eval_config_composes(tmp_path):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("eval", overrides=["ckpt_path=x.ckpt"])
+    assert cfg.split == "test" and cfg.ckpt_path == "x.ckpt"

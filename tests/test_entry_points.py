@@ -1,0 +1,61 @@
+"""train.py and eval.py run end to end in subprocesses, as a user types them."""
+
+import re
+
+import pytest
+
+from tests.conftest import TINY_RUN
+
+pytestmark = pytest.mark.slow
+
+
+def only(paths):
+    paths = list(paths)
+    assert len(paths) == 1, paths
+    return paths[0]
+
+
+def assert_run_folder(run, validated: bool = True):
+    checkpoints = run / "checkpoints"
+    assert (checkpoints / "last.ckpt").is_file()
+    # The best checkpoint by val/acc exists once a validation has run.
+    assert bool(list(checkpoints.glob("epoch_*.ckpt"))) == validated
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_train_then_eval_reports_accuracy(run_entry_point):
+    train = run_entry_point("train.py", *TINY_RUN)
+    run = only((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    assert_run_folder(run)
+    assert "training batches per rank: [" in train.stdout + train.stderr
+
+    data_overrides = [o for o in TINY_RUN if o.startswith("data.")]
+    result = run_entry_point("eval.py", f"ckpt_path={run}/checkpoints/last.ckpt", *data_overrides)
+    accuracy = re.search(r"test accuracy: ([0-9.]+)", result.stdout + result.stderr)
+    assert accuracy and 0.0 <= float(accuracy.group(1)) <= 1.0
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
+def test_two_rank_ddp_on_cpu(run_entry_point, strategy):
+    result = run_entry_point(
+        "train.py",
+        *TINY_RUN,
+        f"strategy={strategy}",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.max_steps=4",
+        "test=false",
+    )
+    output = result.stdout + result.stderr
+    assert "world size 2" in output
+    assert "training batches per rank: [4, 4]" in output
+    assert_run_folder(only((run_entry_point.root / "logs" / "train" / "runs").iterdir()))
+
+
+def test_multirun_makes_one_folder_per_job(run_entry_point):
+    run_entry_point("train.py", "-m", "seed=1,2", *TINY_RUN, "trainer.max_steps=3", "test=false")
+    sweep = only((run_entry_point.root / "logs" / "train" / "multiruns").iterdir())
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert jobs == ["0", "1"]
+    for job in jobs:
+        assert_run_folder(sweep / job, validated=False)

@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+from navit_lightning.data.packing import PackedBatch, PackedShape, pack
+from navit_lightning.models import NaViT
+from tests.test_packing import PATCH_DIM, make_sample
+
+SHAPE = PackedShape(rows=3, row_len=40, max_images=4)
+GRIDS = [(3, 5), (2, 2), (6, 4), (1, 7), (4, 4), (5, 1), (2, 6)]
+
+
+def make_net(**kwargs) -> NaViT:
+    torch.manual_seed(0)
+    defaults = dict(num_classes=5, patch_size=4, dim=32, depth=2, heads=4, max_grid=8)
+    return NaViT(**(defaults | kwargs)).eval()
+
+
+def logits_by_label(net: NaViT, batch: PackedBatch) -> dict[int, torch.Tensor]:
+    logits = net(batch)
+    return {int(batch.labels[r, k]): logits[r, k] for r, k in (batch.labels >= 0).nonzero().tolist()}
+
+
+@pytest.mark.parametrize("pool", ["attention", "mean"])
+@pytest.mark.parametrize("fractional_pos", [False, True])
+def test_image_packed_with_others_gives_the_same_logits_as_alone(pool, fractional_pos):
+    net = make_net(pool=pool, fractional_pos=fractional_pos)
+    samples = [make_sample(h, w, label=i, seed=i) for i, (h, w) in enumerate(GRIDS)]
+    with torch.no_grad():
+        packed = logits_by_label(net, pack(samples, SHAPE, PATCH_DIM))
+        assert sorted(packed) == list(range(len(samples)))
+        for sample in samples:
+            alone = logits_by_label(net, pack([sample], PackedShape(1, SHAPE.row_len, 1), PATCH_DIM))
+            torch.testing.assert_close(packed[sample.label], alone[sample.label], atol=1e-5, rtol=0)
+
+
+def test_row_chunks_give_the_same_logits_as_the_whole_batch():
+    net = make_net()
+    samples = [make_sample(h, w, label=i, seed=i) for i, (h, w) in enumerate(GRIDS)]
+    batch = pack(samples, SHAPE, PATCH_DIM)
+    with torch.no_grad():
+        whole = net(batch)
+        for chunk in (slice(0, 1), slice(1, 3), slice(2, 3)):
+            part = PackedBatch(*(field[chunk] for field in batch))
+            torch.testing.assert_close(net(part), whole[chunk], atol=1e-5, rtol=0)
+
+
+def test_padding_never_leaks_and_gradients_are_finite():
+    net = make_net().train()
+    samples = [make_sample(2, 3, label=0, seed=0), make_sample(3, 3, label=1, seed=1)]
+    batch = pack(samples, SHAPE, PATCH_DIM)
+    noisy_padding = batch._replace(
+        patches=torch.where(
+            (batch.image_ids == -1)[..., None], torch.randint_like(batch.patches, 0, 256), batch.patches
+        )
+    )
+    torch.testing.assert_close(net(batch)[batch.labels >= 0], net(noisy_padding)[batch.labels >= 0])
+    empty = pack([], SHAPE, PATCH_DIM)
+    loss = net(batch)[batch.labels >= 0].sum() + net(empty).sum() * 0
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in net.parameters() if p.grad is not None)
+
+
+def test_absolute_positions_beyond_the_table_are_refused():
+    net = make_net(max_grid=4)
+    batch = pack([make_sample(2, 6, label=0, seed=0)], SHAPE, PATCH_DIM)
+    with pytest.raises(ValueError, match=r"raise model\.max_grid"):
+        net(batch)
