@@ -3,17 +3,19 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 # torch is pinned to the CPU build these machines carry; on a GPU machine install the torch
-# build for your CUDA first (pip install torch) and `make setup TORCH=` skips the pin.
+# build for your CUDA into .venv first and pass TORCH=torch.
 TORCH ?= torch==2.13.0
 
 .PHONY: setup train test lint clean
 
-$(BIN)/python:
+# Re-installs when pyproject.toml changes.
+$(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-
-setup: $(BIN)/python
-	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
 
 train: setup
 	$(BIN)/python train.py $(ARGS)

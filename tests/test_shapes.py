@@ -20,3 +20,9 @@ def test_generation_is_deterministic_varied_and_done_once(tmp_path):
     (first / files[0]).unlink()  # a finished set of the same spec is not written again
     shapes.generate(first, spec, workers=1)
     assert not (first / files[0]).exists()
+
+
+def test_a_new_spec_replaces_the_old_images(tmp_path):
+    shapes.generate(tmp_path, shapes.ShapesSpec(num_train=12, num_val=6, num_test=6), workers=1)
+    shapes.generate(tmp_path, shapes.ShapesSpec(num_train=6, num_val=6, num_test=6, seed=1), workers=1)
+    assert len([p for p in (tmp_path / "train").rglob("*.*")]) == 6

@@ -24,7 +24,7 @@ def test_patches_round_trip_to_the_resized_image():
     assert sample.grid == (2, 3) and sample.label == 3
     assert sample.patches.dtype == torch.uint8 and sample.patches.shape == (6, 16 * 16 * 3)
     pixels = rearrange(sample.patches, "(h w) (p1 p2 c) -> (h p1) (w p2) c", h=2, p1=16, p2=16)
-    expected = torch.tensor(list(image.getdata()), dtype=torch.uint8).view(32, 48, 3)
+    expected = torch.tensor(bytearray(image.tobytes()), dtype=torch.uint8).view(32, 48, 3)
     assert torch.equal(pixels, expected)
     assert sample.coords.tolist() == [[0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [1, 2]]
 

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning.train import CONFIG_DIR
-from navit_lightning.utils.instantiate import instantiate_group
+from navit_lightning.utils.instantiate import instantiate_group, route_lightning_logs_to_hydra
 
 
 def load_run_config(ckpt_path: str) -> DictConfig:
@@ -34,7 +34,9 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     L.seed_everything(cfg.seed, workers=True)
     run = load_run_config(cfg.ckpt_path)
     with open_dict(cfg):
-        cfg.model = run.model  # the network must match the weights; the data may change
+        cfg.model = run.model  # the network must match the weights
+        if cfg.get("data") is None:
+            cfg.data = run.data
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
     model: L.LightningModule = hydra.utils.instantiate(cfg.model)
     loggers = instantiate_group(cfg.get("logger"))
@@ -50,6 +52,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="eval")
 def main(cfg: DictConfig) -> None:
+    route_lightning_logs_to_hydra()
     evaluate(cfg)
 
 

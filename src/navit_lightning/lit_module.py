@@ -12,6 +12,7 @@ from torchmetrics import MaxMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from navit_lightning.data.packing import IGNORE_LABEL, PackedBatch
+from navit_lightning.models import NaViT
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer, int], torch.optim.lr_scheduler.LRScheduler]
@@ -20,7 +21,7 @@ SchedulerFactory = Callable[[torch.optim.Optimizer, int], torch.optim.lr_schedul
 class NaViTClassifier(L.LightningModule):
     def __init__(
         self,
-        net: nn.Module,
+        net: NaViT,
         optimizer: OptimizerFactory,
         scheduler: SchedulerFactory | None = None,
         compile: bool = False,
@@ -30,7 +31,7 @@ class NaViTClassifier(L.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.compile = compile
-        num_classes = net.head[-1].out_features
+        num_classes = net.num_classes
         # Keyed "<stage>_acc": a bare "train" key would clash with nn.Module.train.
         self.accuracy = nn.ModuleDict(
             {

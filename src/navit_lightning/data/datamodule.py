@@ -34,6 +34,7 @@ class PackedImageDataModule(L.LightningDataModule):
         max_images_per_row: int = 16,
         lookahead: int = 512,
         val_fraction: float = 0.1,
+        hflip: float = 0.5,
         num_workers: int | None = None,
         pin_memory: bool = True,
         seed: int = 0,
@@ -46,6 +47,7 @@ class PackedImageDataModule(L.LightningDataModule):
         self.shape = PackedShape(rows, row_len, max_images_per_row)
         self.lookahead = lookahead
         self.val_fraction = val_fraction
+        self.hflip = hflip
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.seed = seed
@@ -87,7 +89,10 @@ class PackedImageDataModule(L.LightningDataModule):
             train, val = train[held_out:], train[:held_out]
         splits = {"train": train, "val": val, "test": test or val}
         self.datasets = {
-            name: ImageFolder(items, self.patch_size, self.max_patches) for name, items in splits.items()
+            name: ImageFolder(
+                items, self.patch_size, self.max_patches, hflip=self.hflip if name == "train" else 0.0
+            )
+            for name, items in splits.items()
         }
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
-from PIL import Image
+from PIL import Image, ImageOps
 from torch.utils.data import Dataset
 
 from navit_lightning.data.packing import ImageSample
@@ -38,12 +39,16 @@ def list_images(root: Path, classes: list[str]) -> list[tuple[Path, int]]:
 
 
 class ImageFolder(Dataset):
-    """Images as ImageSample patches at native resolution capped by max_patches."""
+    """Images as ImageSample patches at native resolution capped by max_patches, mirrored
+    left-right with probability hflip (a training augmentation; 0 for evaluation)."""
 
-    def __init__(self, items: list[tuple[Path, int]], patch_size: int, max_patches: int) -> None:
+    def __init__(
+        self, items: list[tuple[Path, int]], patch_size: int, max_patches: int, hflip: float = 0.0
+    ) -> None:
         self.items = items
         self.patch_size = patch_size
         self.max_patches = max_patches
+        self.hflip = hflip
 
     def __len__(self) -> int:
         return len(self.items)
@@ -51,6 +56,8 @@ class ImageFolder(Dataset):
     def __getitem__(self, index: int) -> ImageSample:
         path, label = self.items[index]
         with Image.open(path) as image:
+            if self.hflip and random.random() < self.hflip:
+                image = ImageOps.mirror(image)
             return image_to_sample(image, label, self.patch_size, self.max_patches)
 
     def token_lengths(self) -> list[int]:

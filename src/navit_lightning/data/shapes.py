@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,12 +23,12 @@ DONE_MARKER = "shapes.json"
 
 @dataclass(frozen=True)
 class ShapesSpec:
-    num_train: int = 6000
+    num_train: int = 20000
     num_val: int = 1000
     num_test: int = 1000
-    min_side: int = 32
-    max_side: int = 288
-    max_aspect: float = 2.5
+    min_side: int = 40
+    max_side: int = 192
+    max_aspect: float = 2.0
     seed: int = 0
 
 
@@ -93,7 +94,7 @@ def render(label: int, rng: random.Random, spec: ShapesSpec) -> Image.Image:
         else:
             d = max(1.0, short * 0.04)
             draw.ellipse((x - d, y - d, x + d, y + d), fill=colour)
-    r = short * rng.uniform(0.3, 0.45)
+    r = short * rng.uniform(0.35, 0.48)
     cx, cy = rng.uniform(r, width - r), rng.uniform(r, height - r)
     foreground = tuple(rng.randint(170, 255) if dark_background else rng.randint(0, 85) for _ in range(3))
     _draw_shape(draw, CLASSES[label], cx, cy, r, rng.uniform(0, 2 * math.pi), foreground)
@@ -120,10 +121,13 @@ def generate(root: str | Path, spec: ShapesSpec = ShapesSpec(), workers: int = 2
     if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
         return root
     counts = {"train": spec.num_train, "val": spec.num_val, "test": spec.num_test}
+    marker.unlink(missing_ok=True)
     jobs = []
     for split, count in counts.items():
         for name in CLASSES:
-            (root / split / name).mkdir(parents=True, exist_ok=True)
+            # Another spec's (or an interrupted run's) images would mix with these.
+            shutil.rmtree(root / split / name, ignore_errors=True)
+            (root / split / name).mkdir(parents=True)
         jobs += [(root / split, i, spec.seed + SPLIT_SEED_OFFSET[split] + i, spec) for i in range(count)]
     with Progress() as progress, ProcessPoolExecutor(workers) as pool:
         task = progress.add_task(f"Generating the shapes data set in {root}", total=len(jobs))

@@ -86,6 +86,7 @@ class NaViT(nn.Module):
         pixel_std: Sequence[float] = (0.5, 0.5, 0.5),
     ) -> None:
         super().__init__()
+        self.num_classes = num_classes
         self.patch_size = patch_size
         self.patch_embed = PatchEmbed(patch_size, channels, dim, pixel_mean, pixel_std)
         self.pos_embed = FactorizedPosEmbed(dim, max_grid, fractional_pos)

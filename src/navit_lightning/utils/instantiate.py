@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import hydra
@@ -18,3 +19,13 @@ def instantiate_group(group: DictConfig | None) -> list[Any]:
 
 def log_config(config: DictConfig) -> None:
     rank_zero_info("Config:\n" + OmegaConf.to_yaml(config, resolve=True))
+
+
+def route_lightning_logs_to_hydra() -> None:
+    """Lightning gives its loggers their own console handler at import time, before Hydra
+    configures logging, and stops them propagating: hand their records to the root logger
+    instead, so that they reach Hydra's console and the run's log file once."""
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
