@@ -31,11 +31,12 @@ class NaViTClassifier(L.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.compile = compile
-        num_classes = net.num_classes
         # Keyed "<stage>_acc": a bare "train" key would clash with nn.Module.train.
         self.accuracy = nn.ModuleDict(
             {
-                f"{stage}_acc": MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_LABEL)
+                f"{stage}_acc": MulticlassAccuracy(
+                    net.num_classes, average="micro", ignore_index=IGNORE_LABEL
+                )
                 for stage in ("train", "val", "test")
             }
         )
@@ -43,7 +44,7 @@ class NaViTClassifier(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         if self.compile and stage == "fit":
-            self.net = torch.compile(self.net)
+            self.net.compile()  # in place: the state_dict keys stay those of the plain network
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         return self.net(batch)
