@@ -1,7 +1,5 @@
 import shutil
 
-import pytest
-
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.data.packing import PackedBatch
 
@@ -19,7 +17,9 @@ def test_a_flat_folder_is_split_by_seed_and_every_image_is_batched_once(project_
     shutil.copytree(project_root / "data" / "shapes" / "train", tmp_path / "images")
     splits = []
     for _ in range(2):
-        datamodule = PackedImageDataModule(str(tmp_path / "images"), patch_size=16, max_patches=64, num_workers=0)
+        datamodule = PackedImageDataModule(
+            str(tmp_path / "images"), patch_size=16, max_patches=64, num_workers=0
+        )
         datamodule.setup("fit")
         splits.append([path for path, _ in datamodule.datasets["val"].items])
     assert splits[0] == splits[1] and len(splits[0]) == round(192 * 0.1)
@@ -29,10 +29,3 @@ def test_a_flat_folder_is_split_by_seed_and_every_image_is_batched_once(project_
     batches = list(datamodule.val_dataloader())
     assert all(isinstance(batch, PackedBatch) for batch in batches)
     assert sum(batch.num_images for batch in batches) == len(splits[0])
-
-
-def test_missing_root_and_oversized_images_are_refused(tmp_path):
-    with pytest.raises(FileNotFoundError, match="set data.root"):
-        PackedImageDataModule(str(tmp_path / "nowhere")).setup("fit")
-    with pytest.raises(ValueError, match="lower data.max_patches"):
-        PackedImageDataModule(str(tmp_path), max_patches=300, row_len=256)

@@ -11,7 +11,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning.train import CONFIG_DIR
-from navit_lightning.utils.instantiate import instantiate_group, route_lightning_logs_to_hydra
+from navit_lightning.utils.instantiate import (
+    instantiate_group,
+    refuse_bad_input,
+    route_lightning_logs_to_hydra,
+)
 
 
 def load_run_config(ckpt_path: str) -> DictConfig:
@@ -53,7 +57,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="eval")
 def main(cfg: DictConfig) -> None:
     route_lightning_logs_to_hydra()
-    evaluate(cfg)
+    with refuse_bad_input():
+        evaluate(cfg)
 
 
 if __name__ == "__main__":

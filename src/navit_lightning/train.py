@@ -11,7 +11,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning.utils.callbacks import StoreRunConfig
-from navit_lightning.utils.instantiate import instantiate_group, log_config, route_lightning_logs_to_hydra
+from navit_lightning.utils.instantiate import (
+    instantiate_group,
+    log_config,
+    refuse_bad_input,
+    route_lightning_logs_to_hydra,
+)
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 
@@ -49,7 +54,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def main(cfg: DictConfig) -> float | None:
     route_lightning_logs_to_hydra()
-    metrics = train(cfg)
+    with refuse_bad_input():
+        metrics = train(cfg)
     return metrics.get(cfg.get("optimized_metric"))
 
 

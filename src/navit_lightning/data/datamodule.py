@@ -8,10 +8,11 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from navit_lightning.data import shapes
-from navit_lightning.data.folder import ImageFolder, find_classes, list_images
+from navit_lightning.data.folder import DataError, ImageFolder, check_class_folders, find_classes, list_images
 from navit_lightning.data.packing import PackCollate, PackedShape
 from navit_lightning.data.sampler import PackedBatchSampler
 
@@ -53,7 +54,7 @@ class PackedImageDataModule(L.LightningDataModule):
         self.seed = seed
         self.generate = generate
         if max_patches > row_len:
-            raise ValueError(
+            raise DataError(
                 f"data.max_patches={max_patches} exceeds data.row_len={row_len}: "
                 "an image would not fit a row; raise data.row_len or lower data.max_patches"
             )
@@ -66,8 +67,12 @@ class PackedImageDataModule(L.LightningDataModule):
         return len(self.class_names())
 
     def class_names(self) -> list[str]:
+        """The class folders of the training images; refuses a root that cannot train."""
         train_dir = self.root / "train"
-        return find_classes(train_dir if train_dir.is_dir() else self.root)
+        train_root = train_dir if train_dir.is_dir() else self.root
+        classes = find_classes(train_root)
+        check_class_folders(train_root, classes)
+        return classes
 
     def prepare_data(self) -> None:
         if self.generate is not None:
@@ -87,13 +92,20 @@ class PackedImageDataModule(L.LightningDataModule):
             random.Random(self.seed).shuffle(train)
             held_out = max(1, round(len(train) * self.val_fraction))
             train, val = train[held_out:], train[:held_out]
-        splits = {"train": train, "val": val, "test": test or val}
+        splits = {"train": train, "val": val, "test": test}
         self.datasets = {
             name: ImageFolder(
                 items, self.patch_size, self.max_patches, hflip=self.hflip if name == "train" else 0.0
             )
             for name, items in splits.items()
+            if items is not None
         }
+        for name, dataset in self.datasets.items():
+            if dataset.skipped_at_scan:
+                rank_zero_warn(f"{name}: left out {dataset.skipped_at_scan} unreadable files (named above)")
+            if not len(dataset):
+                raise DataError(f"no readable images for the {name} split under {self.root}")
+        self.datasets.setdefault("test", self.datasets["val"])
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         dataset = self.datasets[split]

@@ -1,70 +1,117 @@
-"""A folder of class sub-folders holding images of any size."""
+"""A folder of class sub-folders holding images of any size, kind and quality."""
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import random
 from pathlib import Path
 
-from PIL import Image, ImageOps
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from navit_lightning.data.packing import ImageSample
-from navit_lightning.data.transforms import fit_grid, image_to_sample
+from navit_lightning.data.transforms import fit_grid, image_to_sample, upright_size
+
+log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
+# What Pillow raises for a file that is not an image, or not a whole one.
+UNREADABLE = (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+
+
+class DataError(ValueError):
+    """The data cannot be used as configured; the message says what to change."""
 
 
 def find_classes(root: Path) -> list[str]:
     if not root.is_dir():
-        raise FileNotFoundError(
-            f"image folder {root} does not exist: set data.root to a folder of class sub-folders"
-        )
+        raise DataError(f"image folder {root} does not exist: set data.root to a folder of class sub-folders")
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
-        raise ValueError(f"image folder {root} has no class sub-folders: put images in {root}/<class>/")
+        raise DataError(f"image folder {root} has no class sub-folders: put images in {root}/<class>/")
     return classes
+
+
+def is_image_file(path: Path) -> bool:
+    return path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()
+
+
+def check_class_folders(root: Path, classes: list[str]) -> None:
+    """Refuse a class folder without a single image file (its class could never be learnt)."""
+    for name in classes:
+        if not any(is_image_file(path) for path in (root / name).rglob("*")):
+            raise DataError(
+                f"class folder {root / name} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))}): "
+                "add images or remove the folder"
+            )
 
 
 def list_images(root: Path, classes: list[str]) -> list[tuple[Path, int]]:
     """(path, label) of every image file under root/<class>/, in a stable order."""
-    items = [
+    return [
         (path, label)
         for label, name in enumerate(classes)
         for path in sorted((root / name).rglob("*"))
-        if path.suffix.lower() in IMAGE_SUFFIXES
+        if is_image_file(path)
     ]
-    if not items:
-        raise ValueError(f"image folder {root} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))})")
-    return items
 
 
 class ImageFolder(Dataset):
     """Images as ImageSample patches at native resolution capped by max_patches, mirrored
-    left-right with probability hflip (a training augmentation; 0 for evaluation)."""
+    left-right with probability hflip (a training augmentation; 0 for evaluation).
+
+    Files whose header cannot be read are left out when the folder is scanned; an image
+    that fails to decode later (a truncated file) makes __getitem__ return None, which the
+    collate drops. Each bad file is warned about once and counted (`unreadable_this_epoch`).
+    """
 
     def __init__(
         self, items: list[tuple[Path, int]], patch_size: int, max_patches: int, hflip: float = 0.0
     ) -> None:
-        self.items = items
         self.patch_size = patch_size
         self.max_patches = max_patches
         self.hflip = hflip
+        self.items, self.lengths = self._scan(items)
+        self.skipped_at_scan = len(items) - len(self.items)
+        # Shared with the DataLoader workers, which set them.
+        self.failed = multiprocessing.Array("b", len(self.items), lock=False)
+        self.unreadable_this_epoch = multiprocessing.Value("i", 0)
+
+    def _scan(self, items: list[tuple[Path, int]]) -> tuple[list[tuple[Path, int]], list[int]]:
+        """The readable items and their patch counts, from the file headers only."""
+        readable, lengths = [], []
+        for path, label in items:
+            try:
+                with Image.open(path) as image:
+                    height, width = upright_size(image)
+            except UNREADABLE as error:
+                if rank_zero_only.rank == 0:  # every rank scans the same files
+                    log.warning("skipping %s: not a readable image (%s)", path, error)
+                continue
+            readable.append((path, label))
+            grid_h, grid_w = fit_grid(height, width, self.patch_size, self.max_patches)
+            lengths.append(grid_h * grid_w)
+        return readable, lengths
 
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, index: int) -> ImageSample:
+    def __getitem__(self, index: int) -> ImageSample | None:
         path, label = self.items[index]
-        with Image.open(path) as image:
-            if self.hflip and random.random() < self.hflip:
-                image = ImageOps.mirror(image)
-            return image_to_sample(image, label, self.patch_size, self.max_patches)
+        try:
+            with Image.open(path) as image:
+                mirror = bool(self.hflip) and random.random() < self.hflip
+                return image_to_sample(image, label, self.patch_size, self.max_patches, mirror)
+        except UNREADABLE as error:
+            with self.unreadable_this_epoch.get_lock():
+                self.unreadable_this_epoch.value += 1
+            if not self.failed[index]:
+                self.failed[index] = 1
+                log.warning("skipping %s: it could not be decoded (%s)", path, error)
+            return None
 
     def token_lengths(self) -> list[int]:
-        """Patches per image, read from the file headers only (no decoding)."""
-        lengths = []
-        for path, _ in self.items:
-            with Image.open(path) as image:
-                grid_h, grid_w = fit_grid(image.height, image.width, self.patch_size, self.max_patches)
-            lengths.append(grid_h * grid_w)
-        return lengths
+        """Patches per image (read from the headers when the folder was scanned)."""
+        return self.lengths

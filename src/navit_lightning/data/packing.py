@@ -114,6 +114,7 @@ def pack(samples: Sequence[ImageSample], shape: PackedShape, patch_dim: int) -> 
 
 class PackCollate:
     """DataLoader collate_fn: a list of ImageSample -> PackedBatch of a fixed shape.
+    None stands for an image that could not be read: it is left out.
 
     A class rather than a closure so that ddp_spawn can pickle it.
     """
@@ -122,5 +123,5 @@ class PackCollate:
         self.shape = shape
         self.patch_dim = patch_dim
 
-    def __call__(self, samples: Sequence[ImageSample]) -> PackedBatch:
-        return pack(samples, self.shape, self.patch_dim)
+    def __call__(self, samples: Sequence[ImageSample | None]) -> PackedBatch:
+        return pack([s for s in samples if s is not None], self.shape, self.patch_dim)

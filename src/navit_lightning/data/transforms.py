@@ -6,9 +6,17 @@ import math
 
 import torch
 from einops import rearrange
-from PIL import Image
+from PIL import Image, ImageOps
 
 from navit_lightning.data.packing import ImageSample
+
+ORIENTATION_TAG = 0x0112  # EXIF orientation; 5..8 turn the image by 90 degrees
+
+
+def upright_size(image: Image.Image) -> tuple[int, int]:
+    """(height, width) once the EXIF orientation is applied, read without decoding."""
+    orientation = image.getexif().get(ORIENTATION_TAG, 1)
+    return (image.width, image.height) if orientation in (5, 6, 7, 8) else (image.height, image.width)
 
 
 def fit_grid(height: int, width: int, patch_size: int, max_patches: int) -> tuple[int, int]:
@@ -25,13 +33,40 @@ def fit_grid(height: int, width: int, patch_size: int, max_patches: int) -> tupl
     return grid_h, grid_w
 
 
-def image_to_sample(image: Image.Image, label: int, patch_size: int, max_patches: int) -> ImageSample:
-    """Resize to the fitted grid and cut into flattened uint8 patches in (p1 p2 c) order."""
-    image = image.convert("RGB")
-    grid_h, grid_w = fit_grid(image.height, image.width, patch_size, max_patches)
+HIGH_BIT_DEPTH_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N"}
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Any Pillow image as 8-bit RGB, upright: EXIF orientation applied, transparency laid
+    over white, 16/32-bit grey scaled to 8 bits (a plain convert would clip it to white)."""
+    image = ImageOps.exif_transpose(image)
+    if image.mode in HIGH_BIT_DEPTH_MODES:
+        image = image.point(lambda value: value / 256).convert("L")
+    if image.mode == "P":
+        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
+    if image.mode in ("RGBA", "LA", "PA"):
+        image = image.convert("RGBA")
+        white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(white, image)
+    return image.convert("RGB")
+
+
+def image_to_sample(
+    image: Image.Image, label: int, patch_size: int, max_patches: int, mirror: bool = False
+) -> ImageSample:
+    """Resize to the fitted grid (mirrored left-right if asked) and cut into flattened uint8
+    patches in (p1 p2 c) order."""
+    height, width = upright_size(image)
+    grid_h, grid_w = fit_grid(height, width, patch_size, max_patches)
     size = (grid_w * patch_size, grid_h * patch_size)
+    # A JPEG decodes straight at 1/2 .. 1/8 scale when the target is that much smaller
+    # (the size asked for is the stored one, before the EXIF turn).
+    image.draft("RGB", size if width == image.width else size[::-1])
+    image = to_rgb(image)
     if image.size != size:
         image = image.resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0)
+    if mirror:
+        image = ImageOps.mirror(image)
     pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
     pixels = pixels.view(size[1], size[0], 3)
     patches = rearrange(pixels, "(h p1) (w p2) c -> (h w) (p1 p2 c)", p1=patch_size, p2=patch_size)

@@ -6,7 +6,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 
 class StoreRunConfig(L.Callback):
@@ -35,3 +35,34 @@ class RankStepReport(L.Callback):
         rank_zero_info(
             f"training batches per rank: {counts.reshape(-1).tolist()} (world size {trainer.world_size})"
         )
+
+
+class UnreadableImageReport(L.Callback):
+    """At the end of every epoch, counts the images that failed to decode on all ranks (each
+    was named in a warning when it first failed), logs `<stage>/unreadable_images` and warns
+    when there were any."""
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._report(trainer, pl_module, "train")
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._report(trainer, pl_module, "val")
+
+    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._report(trainer, pl_module, "test")
+
+    def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        dataset = getattr(trainer.datamodule, "datasets", {}).get(stage)
+        if dataset is None:
+            return
+        counter = dataset.unreadable_this_epoch
+        with counter.get_lock():
+            count, counter.value = counter.value, 0
+        if trainer.sanity_checking:
+            return
+        total = int(trainer.strategy.reduce(torch.tensor(count, device=pl_module.device), reduce_op="sum"))
+        pl_module.log(f"{stage}/unreadable_images", float(total), on_epoch=True, rank_zero_only=True)
+        if total:
+            rank_zero_warn(
+                f"{stage} epoch {trainer.current_epoch}: skipped {total} images that could not be decoded"
+            )

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import hydra
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
+
+from navit_lightning.data.folder import DataError
 
 
 def instantiate_group(group: DictConfig | None) -> list[Any]:
@@ -29,3 +33,14 @@ def route_lightning_logs_to_hydra() -> None:
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
+
+
+@contextmanager
+def refuse_bad_input() -> Iterator[None]:
+    """Turn a DataError (bad data.root, a class folder without images, ...) into one line on
+    the console and exit code 2, instead of a traceback."""
+    try:
+        yield
+    except DataError as error:
+        logging.getLogger("navit_lightning").error("error: %s", error)
+        raise SystemExit(2) from None

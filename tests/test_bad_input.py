@@ -1,0 +1,183 @@
+"""Real image folders are messy: every kind of image converts, bad files are skipped and
+counted, and a root that cannot train is refused with one line."""
+
+import io
+import logging
+import re
+
+import pytest
+from PIL import Image
+
+from navit_lightning.data.datamodule import PackedImageDataModule
+from navit_lightning.data.folder import DataError, ImageFolder, list_images
+from navit_lightning.data.packing import PackCollate, PackedShape
+from navit_lightning.data.transforms import image_to_sample, to_rgb, upright_size
+from tests.conftest import TINY_TRAINING
+
+EXIF_ORIENTATION = 0x0112
+
+
+def save(image: Image.Image, path, **kwargs):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image.save(path, **kwargs)
+    return path
+
+
+def rotated_jpeg() -> bytes:
+    """A 40 x 20 (w x h) JPEG whose EXIF says: turn 90 degrees to show it upright (20 x 40)."""
+    exif = Image.Exif()
+    exif[EXIF_ORIENTATION] = 6
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 20), (200, 30, 30)).save(buffer, "JPEG", exif=exif)
+    return buffer.getvalue()
+
+
+def make_messy_folder(root):
+    """Two classes of good images of every kind, plus the bad files users have."""
+    good = {
+        "rgb.png": Image.new("RGB", (64, 48), (10, 200, 10)),
+        "grey.png": Image.new("L", (50, 70), 128),
+        "palette.gif": Image.new("P", (33, 33), 3),
+        "rgba.png": Image.new("RGBA", (40, 40), (255, 0, 0, 0)),
+        "cmyk.jpg": Image.new("CMYK", (48, 32), (0, 255, 255, 0)),
+        "deep.png": Image.new("I;16", (32, 32), 60000),
+        "tiny.png": Image.new("RGB", (3, 2), (1, 2, 3)),
+        "huge.jpg": Image.new("RGB", (3000, 2000), (90, 90, 200)),
+    }
+    for cls in ("a", "b"):
+        for name, image in good.items():
+            save(image, root / cls / name)
+        (root / cls / "rotated.jpg").write_bytes(rotated_jpeg())
+    whole = (root / "a" / "rgb.png").read_bytes()
+    (root / "a" / "truncated.png").write_bytes(whole[: len(whole) // 2])  # caught by the header scan
+    noisy = save(Image.effect_noise((64, 64), 60).convert("RGB"), root / "a" / "noisy.jpg").read_bytes()
+    (root / "a" / "truncated.jpg").write_bytes(noisy[: len(noisy) * 2 // 3])  # caught when decoded
+    (root / "b" / "garbage.jpg").write_bytes(b"this is not a JPEG at all" * 10)
+    (root / "b" / "empty.png").write_bytes(b"")
+    (root / "b" / "notes.txt").write_text("not an image, and not named like one")
+    return root
+
+
+@pytest.mark.parametrize(
+    ("image", "pixel"),
+    [
+        (Image.new("L", (4, 4), 77), (77, 77, 77)),
+        (Image.new("RGBA", (4, 4), (255, 0, 0, 0)), (255, 255, 255)),  # transparent: white
+        (Image.new("LA", (4, 4), (0, 255)), (0, 0, 0)),
+        (Image.new("CMYK", (4, 4), (0, 0, 0, 0)), (255, 255, 255)),
+        (Image.new("I;16", (4, 4), 60000), (234, 234, 234)),  # 16-bit scaled, not clipped
+        (Image.new("I", (4, 4), 256 * 100), (100, 100, 100)),
+    ],
+    ids=["L", "RGBA", "LA", "CMYK", "I;16", "I"],
+)
+def test_every_mode_becomes_8_bit_rgb(image, pixel):
+    rgb = to_rgb(image)
+    assert rgb.mode == "RGB" and rgb.getpixel((0, 0)) == pixel
+
+
+def test_palette_transparency_becomes_white():
+    image = Image.new("P", (4, 4), 0)
+    image.putpalette([10, 20, 30] * 256)
+    image.info["transparency"] = 0
+    assert to_rgb(image).getpixel((0, 0)) == (255, 255, 255)
+
+
+def test_exif_orientation_is_applied_to_size_and_pixels():
+    with Image.open(io.BytesIO(rotated_jpeg())) as image:
+        assert upright_size(image) == (40, 20)
+        sample = image_to_sample(image, 0, patch_size=4, max_patches=200)
+    assert sample.grid == (10, 5)
+
+
+def test_huge_and_tiny_images_fit_the_patch_budget():
+    huge = image_to_sample(Image.new("RGB", (3000, 2000)), 0, patch_size=16, max_patches=64)
+    tiny = image_to_sample(Image.new("RGB", (3, 2)), 0, patch_size=16, max_patches=64)
+    assert 56 <= huge.grid[0] * huge.grid[1] <= 64 and huge.grid[1] > huge.grid[0]
+    assert tiny.grid == (1, 1)
+
+
+def test_unreadable_files_are_left_out_at_scan_and_truncated_ones_when_decoded(tmp_path, caplog):
+    root = make_messy_folder(tmp_path / "images")
+    items = list_images(root, ["a", "b"])
+    assert not any(path.suffix == ".txt" for path, _ in items)
+    with caplog.at_level(logging.WARNING):
+        dataset = ImageFolder(items, patch_size=16, max_patches=64)
+    assert dataset.skipped_at_scan == 3
+    for name in ("garbage.jpg", "empty.png", "truncated.png"):
+        assert caplog.text.count(f"{name}: not a readable image") == 1
+    assert "truncated.jpg" not in caplog.text
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        samples = [dataset[i] for i in range(len(dataset))] + [dataset[i] for i in range(len(dataset))]
+    names = [path.name for path, _ in dataset.items]
+    assert [names[i % len(names)] for i, s in enumerate(samples) if s is None] == ["truncated.jpg"] * 2
+    assert caplog.text.count("truncated.jpg") == 1  # warned once, counted every time
+    assert dataset.unreadable_this_epoch.value == 2
+
+    batch = PackCollate(PackedShape(8, 64, 8), 16 * 16 * 3)(samples[: len(names)])
+    assert batch.num_images == len(names) - 1
+
+
+def test_refused_roots_say_what_to_fix(tmp_path):
+    def refused(root, **kwargs):
+        with pytest.raises(DataError) as error:
+            PackedImageDataModule(str(root), **kwargs).class_names()
+        return str(error.value)
+
+    assert "does not exist: set data.root" in refused(tmp_path / "nowhere")
+    (tmp_path / "flat").mkdir()
+    save(Image.new("RGB", (8, 8)), tmp_path / "flat" / "loose.png")
+    assert "has no class sub-folders" in refused(tmp_path / "flat")
+    save(Image.new("RGB", (8, 8)), tmp_path / "holey" / "cat" / "1.png")
+    (tmp_path / "holey" / "dog").mkdir()
+    assert "class folder" in refused(tmp_path / "holey") and "dog holds no images" in refused(
+        tmp_path / "holey"
+    )
+    (tmp_path / "bare" / "cat").mkdir(parents=True)
+    (tmp_path / "bare" / "cat" / "readme.md").write_text("no images here")
+    assert "cat holds no images" in refused(tmp_path / "bare")
+    with pytest.raises(DataError, match=r"lower data\.max_patches"):
+        PackedImageDataModule(str(tmp_path), max_patches=300, row_len=256)
+
+
+def test_a_root_of_only_unreadable_files_is_refused_at_setup(tmp_path):
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "cat" / "broken.png").write_bytes(b"\x89PNG but not really")
+    with pytest.raises(DataError, match="no readable images"):
+        PackedImageDataModule(str(tmp_path), val_fraction=0.5).setup("fit")
+
+
+@pytest.mark.slow
+def test_train_on_a_messy_folder_to_the_end(run_entry_point, tmp_path):
+    root = make_messy_folder(tmp_path / "messy")
+    result = run_entry_point(
+        "train.py",
+        *TINY_TRAINING,
+        "data=imagefolder",
+        f"data.root={root}",
+        "data.val_fraction=0.25",
+        "data.max_patches=64",
+        "data.row_len=64",
+        "trainer.max_epochs=2",
+        "data.num_workers=1",
+    )
+    output = result.stdout + result.stderr
+    for name in ("garbage.jpg", "empty.png", "truncated.png"):
+        assert output.count(f"{name}: not a readable image") == 1
+    assert re.search(r"(train|val): left out [123] unreadable files", output)
+    # Decoded every epoch (2 here), warned about once, counted in each epoch's report.
+    assert output.count("truncated.jpg: it could not be decoded") == 1
+    assert len(re.findall(r"(train|val) epoch \d: skipped 1 images that could not be decoded", output)) == 2
+
+
+@pytest.mark.slow
+def test_a_refused_root_exits_with_one_line(run_entry_point, tmp_path):
+    (tmp_path / "empty_root").mkdir()
+    result = run_entry_point(
+        "train.py", "data=imagefolder", f"data.root={tmp_path / 'empty_root'}", check=False
+    )
+    assert result.returncode == 2
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
+    assert len(errors) == 1 and "has no class sub-folders" in errors[0]
+    assert "Traceback" not in result.stderr
