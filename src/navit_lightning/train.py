@@ -37,9 +37,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     for logger in trainer.loggers:
         logger.log_hyperparams(run_config)
     rank_zero_info(
-        f"world size {trainer.world_size} ({trainer.num_nodes} node(s) x {trainer.num_devices} device(s)); "
-        f"each optimizer step packs {trainer.world_size * trainer.accumulate_grad_batches} x "
-        f"{cfg.data.rows} rows x {cfg.data.row_len} tokens"
+        f"world size {trainer.world_size} ({trainer.num_nodes} node(s) x {trainer.num_devices} device(s))"
     )
     if cfg.train:
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))

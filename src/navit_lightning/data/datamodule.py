@@ -8,7 +8,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from navit_lightning.data import shapes
@@ -137,7 +137,28 @@ class PackedImageDataModule(L.LightningDataModule):
         return max(1, min(8, (os.cpu_count() or 1) // local_processes - 1))
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
+        loader = self._loader("train", shuffle=True)
+        self._report_effective_batch(loader.batch_sampler)
+        return loader
+
+    def _report_effective_batch(self, sampler: PackedBatchSampler) -> None:
+        """Print and log what one optimizer step consumes: a token budget, not an image count."""
+        stats = sampler.plan_stats()
+        devices = self.trainer.world_size if self.trainer else 1
+        accumulation = self.trainer.accumulate_grad_batches if self.trainer else 1
+        tokens = self.shape.rows * self.shape.row_len
+        step_tokens = devices * accumulation * tokens
+        step_images = devices * accumulation * stats.images_per_batch
+        rank_zero_info(
+            f"train: {stats.batches} batches per epoch on each of {devices} rank(s), each {self.shape.rows} "
+            f"rows x {self.shape.row_len} tokens holding {stats.images_per_batch:.1f} images on average "
+            f"({stats.fill:.1%} real tokens); one optimizer step = {devices} rank(s) x "
+            f"{accumulation} accumulated x {tokens} tokens = {step_tokens} tokens, ~{step_images:.0f} images"
+        )
+        for logger in self.trainer.loggers if self.trainer else []:
+            logger.log_hyperparams(
+                {"effective_batch/tokens": step_tokens, "effective_batch/images": round(step_images, 1)}
+            )
 
     def val_dataloader(self) -> DataLoader:
         return self._loader("val", shuffle=False)

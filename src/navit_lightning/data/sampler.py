@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from itertools import islice
+from typing import NamedTuple
 
 import torch
 from torch.utils.data import Sampler
@@ -50,6 +51,12 @@ def plan_batches(
         buffer = [buffer[pos] for pos in left_over]
 
 
+class PlanStats(NamedTuple):
+    batches: int
+    images_per_batch: float
+    fill: float  # real tokens / (rows x row_len), over the batches
+
+
 class PackedBatchSampler(Sampler[list[int]]):
     """Yields this rank's batches of indices; every rank gets the same number of batches.
 
@@ -92,3 +99,11 @@ class PackedBatchSampler(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return len(self._rank_batches())
+
+    def plan_stats(self) -> PlanStats:
+        """This rank's batches of the current epoch: how many, how many images, how full."""
+        batches = self._rank_batches()
+        images = sum(len(batch) for batch in batches)
+        tokens = sum(self.lengths[i] for batch in batches for i in batch)
+        capacity = max(1, len(batches)) * self.shape.rows * self.shape.row_len
+        return PlanStats(len(batches), images / max(1, len(batches)), tokens / capacity)

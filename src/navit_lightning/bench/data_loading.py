@@ -1,0 +1,121 @@
+"""Does the data path keep up? Packing quality, loader throughput and what a training step
+consumes, measured in one run on this machine.
+
+    python -m navit_lightning.bench.data_loading [train.py overrides] [--batches N] [--json FILE]
+
+It composes the same config as train.py (so `data=imagefolder data.root=DIR`, `model=...`,
+`data.num_workers=...` all apply) and prints:
+  - plan: fill (real tokens / capacity), mean images per batch, planning time per batch;
+  - loader: images/s and tokens/s delivered by the DataLoader with its workers;
+  - train step: images/s and tokens/s one forward+backward+AdamW step of the model consumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
+
+from navit_lightning.data.datamodule import PackedImageDataModule
+from navit_lightning.data.packing import IGNORE_LABEL
+from navit_lightning.data.sampler import PackedBatchSampler
+from navit_lightning.train import CONFIG_DIR
+
+
+def measure(overrides: list[str], batches: int) -> dict[str, float]:
+    os.environ.setdefault("PROJECT_ROOT", str(Path(CONFIG_DIR).parent))
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    datamodule: PackedImageDataModule = hydra.utils.instantiate(cfg.data)
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    train = datamodule.datasets["train"]
+    shape = datamodule.shape
+
+    start = time.perf_counter()
+    sampler = PackedBatchSampler(train.token_lengths(), shape, shuffle=True, seed=cfg.seed)
+    plan = sampler.plan_stats()
+    plan_seconds = (time.perf_counter() - start) / plan.batches
+
+    loader = datamodule.train_dataloader()
+    collected, images, tokens = [], 0, 0
+    iterator = iter(loader)
+    collected.append(next(iterator))  # worker start-up is not throughput
+    start = time.perf_counter()
+    for batch in iterator:
+        collected.append(batch)
+        images += batch.num_images
+        tokens += batch.num_real_tokens
+        if len(collected) > batches:
+            break
+    loader_seconds = time.perf_counter() - start
+    del iterator
+
+    with open_dict(cfg):
+        cfg.model.net.num_classes = datamodule.num_classes
+    net = hydra.utils.instantiate(cfg.model.net)
+    optimizer = torch.optim.AdamW(net.parameters())
+    step_times = []
+    for batch in collected:
+        start = time.perf_counter()
+        logits = net(batch)
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_LABEL
+        )
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_times.append(time.perf_counter() - start)
+    step_seconds = statistics.median(step_times[1:])  # the first step warms up the allocator
+    measured = collected[1:]
+    mean_images = sum(b.num_images for b in measured) / len(measured)
+    mean_tokens = sum(b.num_real_tokens for b in measured) / len(measured)
+    return {
+        "rows": shape.rows,
+        "row_len": shape.row_len,
+        "fill": plan.fill,
+        "images_per_batch_mean": plan.images_per_batch,
+        "plan_ms_per_batch": plan_seconds * 1e3,
+        "num_workers": loader.num_workers,
+        "loader_images_per_s": images / loader_seconds,
+        "loader_tokens_per_s": tokens / loader_seconds,
+        "train_step_ms": step_seconds * 1e3,
+        "train_images_per_s": mean_images / step_seconds,
+        "train_tokens_per_s": mean_tokens / step_seconds,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("overrides", nargs="*", help="train.py config overrides")
+    parser.add_argument("--batches", type=int, default=30, help="batches to time (default 30)")
+    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    args = parser.parse_args()
+    f = measure(args.overrides, args.batches)
+    print(
+        f"plan:       {f['rows']} rows x {f['row_len']} tokens, fill {f['fill']:.1%}, "
+        f"{f['images_per_batch_mean']:.1f} images per batch, "
+        f"{f['plan_ms_per_batch']:.2f} ms to plan a batch\n"
+        f"loader:     {f['loader_images_per_s']:.0f} images/s, {f['loader_tokens_per_s']:.0f} tokens/s "
+        f"({f['num_workers']} workers)\n"
+        f"train step: {f['train_images_per_s']:.0f} images/s, {f['train_tokens_per_s']:.0f} tokens/s "
+        f"({f['train_step_ms']:.0f} ms a step)\n"
+        f"the loader delivers {f['loader_images_per_s'] / f['train_images_per_s']:.1f}x what the training "
+        "step consumes"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(f, indent=2))
+
+
+if __name__ == "__main__":
+    main()
