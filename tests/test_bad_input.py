@@ -3,6 +3,7 @@ counted, and a root that cannot train is refused with one line."""
 
 import io
 import logging
+import random
 import re
 
 import pytest
@@ -11,6 +12,7 @@ from PIL import Image
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.data.folder import DataError, ImageFolder, list_images
 from navit_lightning.data.packing import PackCollate, PackedShape
+from navit_lightning.data.sampler import SizePolicy
 from navit_lightning.data.transforms import image_to_sample, to_rgb, upright_size
 from tests.conftest import TINY_TRAINING
 
@@ -101,15 +103,18 @@ def test_unreadable_files_are_left_out_at_scan_and_truncated_ones_when_decoded(t
     items = list_images(root, ["a", "b"])
     assert not any(path.suffix == ".txt" for path, _ in items)
     with caplog.at_level(logging.WARNING):
-        dataset = ImageFolder(items, patch_size=16, max_patches=64)
+        dataset = ImageFolder(items, patch_size=16)
     assert dataset.skipped_at_scan == 3
     for name in ("garbage.jpg", "empty.png", "truncated.png"):
         assert caplog.text.count(f"{name}: not a readable image") == 1
     assert "truncated.jpg" not in caplog.text
 
     caplog.clear()
+    keys = SizePolicy(patch_size=16, max_patches=64).keys(
+        dataset.sizes, range(len(dataset)), random.Random(0)
+    )
     with caplog.at_level(logging.WARNING):
-        samples = [dataset[i] for i in range(len(dataset))] + [dataset[i] for i in range(len(dataset))]
+        samples = [dataset[key] for key in keys] + [dataset[key] for key in keys]
     names = [path.name for path, _ in dataset.items]
     assert [names[i % len(names)] for i, s in enumerate(samples) if s is None] == ["truncated.jpg"] * 2
     assert caplog.text.count("truncated.jpg") == 1  # warned once, counted every time

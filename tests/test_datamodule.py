@@ -29,3 +29,27 @@ def test_a_flat_folder_is_split_by_seed_and_every_image_is_batched_once(project_
     batches = list(datamodule.val_dataloader())
     assert all(isinstance(batch, PackedBatch) for batch in batches)
     assert sum(batch.num_images for batch in batches) == len(splits[0])
+
+
+def test_batches_deliver_exactly_the_planned_sizes(project_root):
+    datamodule = PackedImageDataModule(
+        str(project_root / "data" / "shapes"),
+        patch_size=16,
+        max_patches=64,
+        min_patches=4,
+        token_drop_rate=0.3,
+        rows=4,
+        row_len=64,
+        num_workers=0,
+    )
+    datamodule.setup("fit")
+    loader = datamodule.train_dataloader()
+    planned = list(loader.batch_sampler)
+    delivered = list(loader)
+    assert len(planned) == len(delivered)
+    for keys, batch in zip(planned, delivered, strict=True):
+        assert batch.num_images == len(keys)
+        assert batch.num_real_tokens == sum(key.keep for key in keys)
+        # Dropped tokens keep their place in the image grid.
+        real = batch.image_ids >= 0
+        assert (batch.coords[real] < batch.grid.max()).all()

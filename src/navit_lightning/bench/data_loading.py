@@ -26,7 +26,6 @@ from omegaconf import open_dict
 
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.data.packing import IGNORE_LABEL
-from navit_lightning.data.sampler import PackedBatchSampler
 from navit_lightning.train import CONFIG_DIR
 
 
@@ -37,12 +36,10 @@ def measure(overrides: list[str], batches: int) -> dict[str, float]:
     datamodule: PackedImageDataModule = hydra.utils.instantiate(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("fit")
-    train = datamodule.datasets["train"]
     shape = datamodule.shape
 
     start = time.perf_counter()
-    sampler = PackedBatchSampler(train.token_lengths(), shape, shuffle=True, seed=cfg.seed)
-    plan = sampler.plan_stats()
+    plan = datamodule.batch_sampler("train").plan_stats()
     plan_seconds = (time.perf_counter() - start) / plan.batches
 
     loader = datamodule.train_dataloader()

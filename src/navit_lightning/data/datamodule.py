@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from navit_lightning.data import shapes
 from navit_lightning.data.folder import DataError, ImageFolder, check_class_folders, find_classes, list_images
 from navit_lightning.data.packing import PackCollate, PackedShape
-from navit_lightning.data.sampler import PackedBatchSampler
+from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
 
 
 class PackedImageDataModule(L.LightningDataModule):
@@ -30,6 +30,9 @@ class PackedImageDataModule(L.LightningDataModule):
         root: str,
         patch_size: int = 16,
         max_patches: int = 256,
+        min_patches: int | None = None,
+        token_drop_rate: float = 0.0,
+        token_drop_beta: tuple[float, float] | None = None,
         rows: int = 16,
         row_len: int = 256,
         max_images_per_row: int = 16,
@@ -45,6 +48,16 @@ class PackedImageDataModule(L.LightningDataModule):
         self.root = Path(root)
         self.patch_size = patch_size
         self.max_patches = max_patches
+        # Training sizes vary (variable resolution, token dropping); evaluation is at the
+        # native resolution capped by max_patches, every token kept.
+        self.train_policy = SizePolicy(
+            patch_size,
+            max_patches,
+            min_patches,
+            token_drop_rate,
+            tuple(token_drop_beta) if token_drop_beta else None,
+        )
+        self.eval_policy = SizePolicy(patch_size, max_patches)
         self.shape = PackedShape(rows, row_len, max_images_per_row)
         self.lookahead = lookahead
         self.val_fraction = val_fraction
@@ -94,9 +107,7 @@ class PackedImageDataModule(L.LightningDataModule):
             train, val = train[held_out:], train[:held_out]
         splits = {"train": train, "val": val, "test": test}
         self.datasets = {
-            name: ImageFolder(
-                items, self.patch_size, self.max_patches, hflip=self.hflip if name == "train" else 0.0
-            )
+            name: ImageFolder(items, self.patch_size, hflip=self.hflip if name == "train" else 0.0)
             for name, items in splits.items()
             if items is not None
         }
@@ -107,22 +118,26 @@ class PackedImageDataModule(L.LightningDataModule):
                 raise DataError(f"no readable images for the {name} split under {self.root}")
         self.datasets.setdefault("test", self.datasets["val"])
 
-    def _loader(self, split: str, shuffle: bool) -> DataLoader:
-        dataset = self.datasets[split]
+    def batch_sampler(self, split: str) -> PackedBatchSampler:
+        """The sampler that plans `split`'s packed batches for this rank."""
         trainer = self.trainer
-        batch_sampler = PackedBatchSampler(
-            dataset.token_lengths(),
+        train = split == "train"
+        return PackedBatchSampler(
+            self.datasets[split].sizes,
             self.shape,
-            shuffle=shuffle,
+            self.train_policy if train else self.eval_policy,
+            shuffle=train,
             seed=self.seed,
             lookahead=self.lookahead,
             num_replicas=trainer.world_size if trainer else 1,
             rank=trainer.global_rank if trainer else 0,
         )
+
+    def _loader(self, split: str) -> DataLoader:
         workers = self._num_workers()
         return DataLoader(
-            dataset,
-            batch_sampler=batch_sampler,
+            self.datasets[split],
+            batch_sampler=self.batch_sampler(split),
             collate_fn=PackCollate(self.shape, self.patch_size**2 * 3),
             num_workers=workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
@@ -137,7 +152,7 @@ class PackedImageDataModule(L.LightningDataModule):
         return max(1, min(8, (os.cpu_count() or 1) // local_processes - 1))
 
     def train_dataloader(self) -> DataLoader:
-        loader = self._loader("train", shuffle=True)
+        loader = self._loader("train")
         self._report_effective_batch(loader.batch_sampler)
         return loader
 
@@ -161,7 +176,7 @@ class PackedImageDataModule(L.LightningDataModule):
             )
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader("val", shuffle=False)
+        return self._loader("val")
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader("test", shuffle=False)
+        return self._loader("test")

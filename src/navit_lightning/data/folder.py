@@ -12,7 +12,8 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from navit_lightning.data.packing import ImageSample
-from navit_lightning.data.transforms import fit_grid, image_to_sample, upright_size
+from navit_lightning.data.sampler import SampleKey
+from navit_lightning.data.transforms import drop_tokens, image_to_sample, upright_size
 
 log = logging.getLogger(__name__)
 
@@ -59,29 +60,27 @@ def list_images(root: Path, classes: list[str]) -> list[tuple[Path, int]]:
 
 
 class ImageFolder(Dataset):
-    """Images as ImageSample patches at native resolution capped by max_patches, mirrored
-    left-right with probability hflip (a training augmentation; 0 for evaluation).
+    """Images as ImageSample patches at the size a SampleKey asks for (native resolution
+    capped by its patch budget, some tokens dropped), mirrored left-right with probability
+    hflip (a training augmentation; 0 for evaluation).
 
     Files whose header cannot be read are left out when the folder is scanned; an image
     that fails to decode later (a truncated file) makes __getitem__ return None, which the
     collate drops. Each bad file is warned about once and counted (`unreadable_this_epoch`).
     """
 
-    def __init__(
-        self, items: list[tuple[Path, int]], patch_size: int, max_patches: int, hflip: float = 0.0
-    ) -> None:
+    def __init__(self, items: list[tuple[Path, int]], patch_size: int, hflip: float = 0.0) -> None:
         self.patch_size = patch_size
-        self.max_patches = max_patches
         self.hflip = hflip
-        self.items, self.lengths = self._scan(items)
+        self.items, self.sizes = self._scan(items)
         self.skipped_at_scan = len(items) - len(self.items)
         # Shared with the DataLoader workers, which set them.
         self.failed = multiprocessing.Array("b", len(self.items), lock=False)
         self.unreadable_this_epoch = multiprocessing.Value("i", 0)
 
-    def _scan(self, items: list[tuple[Path, int]]) -> tuple[list[tuple[Path, int]], list[int]]:
-        """The readable items and their patch counts, from the file headers only."""
-        readable, lengths = [], []
+    def _scan(self, items: list[tuple[Path, int]]) -> tuple[list[tuple[Path, int]], list[tuple[int, int]]]:
+        """The readable items and their upright (height, width), from the file headers only."""
+        readable, sizes = [], []
         for path, label in items:
             try:
                 with Image.open(path) as image:
@@ -91,19 +90,20 @@ class ImageFolder(Dataset):
                     log.warning("skipping %s: not a readable image (%s)", path, error)
                 continue
             readable.append((path, label))
-            grid_h, grid_w = fit_grid(height, width, self.patch_size, self.max_patches)
-            lengths.append(grid_h * grid_w)
-        return readable, lengths
+            sizes.append((height, width))
+        return readable, sizes
 
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, index: int) -> ImageSample | None:
+    def __getitem__(self, key: SampleKey) -> ImageSample | None:
+        index = key.index
         path, label = self.items[index]
         try:
             with Image.open(path) as image:
                 mirror = bool(self.hflip) and random.random() < self.hflip
-                return image_to_sample(image, label, self.patch_size, self.max_patches, mirror)
+                sample = image_to_sample(image, label, self.patch_size, key.max_patches, mirror)
+            return drop_tokens(sample, key.keep)
         except UNREADABLE as error:
             with self.unreadable_this_epoch.get_lock():
                 self.unreadable_this_epoch.value += 1
@@ -111,7 +111,3 @@ class ImageFolder(Dataset):
                 self.failed[index] = 1
                 log.warning("skipping %s: it could not be decoded (%s)", path, error)
             return None
-
-    def token_lengths(self) -> list[int]:
-        """Patches per image (read from the headers when the folder was scanned)."""
-        return self.lengths

@@ -1,8 +1,11 @@
-"""Token-budget batching: which images go into each packed batch, on each rank."""
+"""Token-budget batching: how big each image is this epoch, and which images go into each
+packed batch, on each rank."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from itertools import islice
 from typing import NamedTuple
 
@@ -10,6 +13,58 @@ import torch
 from torch.utils.data import Sampler
 
 from navit_lightning.data.packing import PackedShape, first_fit_decreasing
+from navit_lightning.data.transforms import fit_grid
+
+
+class SampleKey(NamedTuple):
+    """What the sampler asks the dataset for: image `index` resized to at most
+    `max_patches` patches, of which `keep` are kept (the others dropped)."""
+
+    index: int
+    max_patches: int
+    keep: int
+
+
+@dataclass(frozen=True)
+class SizePolicy:
+    """How big each image is in one epoch, decided before packing so that the packer knows
+    every image's token count, and dropped tokens make room for more images.
+
+    The patch budget is drawn uniformly from [min_patches, max_patches] per image and epoch
+    (NaViT's variable-resolution training), or is max_patches when min_patches is None.
+    The token-drop rate is drop_rate, or drawn from Beta(*drop_beta) per image.
+    """
+
+    patch_size: int
+    max_patches: int
+    min_patches: int | None = None
+    drop_rate: float = 0.0
+    drop_beta: tuple[float, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_patches is not None and not 1 <= self.min_patches <= self.max_patches:
+            raise ValueError(
+                f"data.min_patches={self.min_patches} must be between 1 and "
+                f"data.max_patches={self.max_patches}"
+            )
+        if not 0.0 <= self.drop_rate < 1.0:
+            raise ValueError(f"data.token_drop_rate={self.drop_rate} must be in [0, 1)")
+
+    def keys(
+        self, sizes: Sequence[tuple[int, int]], order: Sequence[int], rng: random.Random
+    ) -> list[SampleKey]:
+        """One key per index in `order`; `sizes` are the images' (height, width)."""
+        keys = []
+        for index in order:
+            budget = (
+                self.max_patches
+                if self.min_patches is None
+                else rng.randint(self.min_patches, self.max_patches)
+            )
+            grid_h, grid_w = fit_grid(*sizes[index], self.patch_size, budget)
+            rate = rng.betavariate(*self.drop_beta) if self.drop_beta else self.drop_rate
+            keys.append(SampleKey(index, budget, max(1, round(grid_h * grid_w * (1 - rate)))))
+        return keys
 
 
 class EpochOrder(Sampler[int]):
@@ -57,18 +112,20 @@ class PlanStats(NamedTuple):
     fill: float  # real tokens / (rows x row_len), over the batches
 
 
-class PackedBatchSampler(Sampler[list[int]]):
-    """Yields this rank's batches of indices; every rank gets the same number of batches.
+class PackedBatchSampler(Sampler[list[SampleKey]]):
+    """Yields this rank's batches of SampleKeys; every rank gets the same number of batches.
 
-    The whole epoch is planned identically on every rank from (seed, epoch), then batches
-    are dealt round-robin; ranks left one short get an empty batch (all padding), so each
-    image is seen exactly once per epoch and no rank waits for a step that never comes.
+    The whole epoch (order, sizes, token drops, batches) is planned identically on every
+    rank from (seed, epoch), then batches are dealt round-robin; ranks left one short get an
+    empty batch (all padding), so each image is seen exactly once per epoch and no rank
+    waits for a step that never comes.
     """
 
     def __init__(
         self,
-        lengths: Sequence[int],
+        sizes: Sequence[tuple[int, int]],
         shape: PackedShape,
+        policy: SizePolicy,
         shuffle: bool,
         seed: int = 0,
         lookahead: int = 512,
@@ -77,24 +134,28 @@ class PackedBatchSampler(Sampler[list[int]]):
     ) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside 0..{num_replicas - 1}")
-        self.lengths = list(lengths)
+        self.sizes = list(sizes)
         self.shape = shape
+        self.policy = policy
+        self.seed = seed
         self.lookahead = lookahead
         self.num_replicas = num_replicas
         self.rank = rank
-        self.sampler = EpochOrder(len(self.lengths), shuffle, seed)  # Lightning calls set_epoch on it
-        self._plan: tuple[int, list[list[int]]] | None = None
+        self.sampler = EpochOrder(len(self.sizes), shuffle, seed)  # Lightning calls set_epoch on it
+        self._plan: tuple[int, list[list[SampleKey]]] | None = None
 
-    def _rank_batches(self) -> list[list[int]]:
+    def _rank_batches(self) -> list[list[SampleKey]]:
         epoch = self.sampler.epoch
         if self._plan is None or self._plan[0] != epoch:
-            batches = plan_batches(self.lengths, list(self.sampler), self.shape, self.lookahead)
+            rng = random.Random(self.seed * 1_000_003 + epoch)
+            keys = self.policy.keys(self.sizes, list(self.sampler), rng)
+            batches = plan_batches([key.keep for key in keys], range(len(keys)), self.shape, self.lookahead)
             per_rank = -(-len(batches) // self.num_replicas)
-            mine = batches[self.rank :: self.num_replicas]
+            mine = [[keys[pos] for pos in batch] for batch in batches[self.rank :: self.num_replicas]]
             self._plan = (epoch, mine + [[]] * (per_rank - len(mine)))
         return self._plan[1]
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list[SampleKey]]:
         return iter(self._rank_batches())
 
     def __len__(self) -> int:
@@ -104,6 +165,6 @@ class PackedBatchSampler(Sampler[list[int]]):
         """This rank's batches of the current epoch: how many, how many images, how full."""
         batches = self._rank_batches()
         images = sum(len(batch) for batch in batches)
-        tokens = sum(self.lengths[i] for batch in batches for i in batch)
+        tokens = sum(key.keep for batch in batches for key in batch)
         capacity = max(1, len(batches)) * self.shape.rows * self.shape.row_len
         return PlanStats(len(batches), images / max(1, len(batches)), tokens / capacity)

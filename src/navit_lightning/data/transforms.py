@@ -73,3 +73,11 @@ def image_to_sample(
     ys, xs = torch.meshgrid(torch.arange(grid_h), torch.arange(grid_w), indexing="ij")
     coords = torch.stack([ys.flatten(), xs.flatten()], dim=1)
     return ImageSample(patches, coords, (grid_h, grid_w), label)
+
+
+def drop_tokens(sample: ImageSample, keep: int) -> ImageSample:
+    """Keep `keep` of the sample's patches, chosen at random, in their original order."""
+    if keep >= len(sample.patches):
+        return sample
+    kept = torch.randperm(len(sample.patches))[:keep].sort().values
+    return sample._replace(patches=sample.patches[kept], coords=sample.coords[kept])
