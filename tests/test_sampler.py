@@ -68,6 +68,9 @@ def test_keys_follow_the_policy():
         sizes, range(50), random.Random(0)
     )
     assert all(k.keep == max(1, round(h * w * 0.5)) for k, (h, w) in zip(constant, full, strict=True))
+    by_resolution = SizePolicy(patch_size=8, max_patches=64, drop_rate=0.5, drop_by_resolution=True)
+    for k, (h, w) in zip(by_resolution.keys(sizes, range(50), None), full, strict=True):
+        assert k.keep == max(1, round(h * w * (1 - 0.5 * h * w / 64)))
     assert all(
         k.max_patches == 64 and k.keep == h * w
         for k, (h, w) in zip(FIXED.keys(sizes, range(50), None), full, strict=True)

@@ -33,6 +33,7 @@ class PackedImageDataModule(L.LightningDataModule):
         min_patches: int | None = None,
         token_drop_rate: float = 0.0,
         token_drop_beta: tuple[float, float] | None = None,
+        token_drop_by_resolution: bool = False,
         rows: int = 16,
         row_len: int = 256,
         max_images_per_row: int = 16,

@@ -32,7 +32,9 @@ class SizePolicy:
 
     The patch budget is drawn uniformly from [min_patches, max_patches] per image and epoch
     (NaViT's variable-resolution training), or is max_patches when min_patches is None.
-    The token-drop rate is drop_rate, or drawn from Beta(*drop_beta) per image.
+    The token-drop rate is drop_rate, or drawn from Beta(*drop_beta) per image; with
+    drop_by_resolution it is further scaled by the image's patches / max_patches, so that
+    large images lose the most and small ones almost nothing.
     """
 
     patch_size: int
@@ -40,6 +42,7 @@ class SizePolicy:
     min_patches: int | None = None
     drop_rate: float = 0.0
     drop_beta: tuple[float, float] | None = None
+    drop_by_resolution: bool = False
 
     def __post_init__(self) -> None:
         if self.min_patches is not None and not 1 <= self.min_patches <= self.max_patches:
@@ -62,8 +65,11 @@ class SizePolicy:
                 else rng.randint(self.min_patches, self.max_patches)
             )
             grid_h, grid_w = fit_grid(*sizes[index], self.patch_size, budget)
+            patches = grid_h * grid_w
             rate = rng.betavariate(*self.drop_beta) if self.drop_beta else self.drop_rate
-            keys.append(SampleKey(index, budget, max(1, round(grid_h * grid_w * (1 - rate)))))
+            if self.drop_by_resolution:
+                rate *= patches / self.max_patches
+            keys.append(SampleKey(index, budget, max(1, round(patches * (1 - rate)))))
         return keys
 
 
