@@ -5,7 +5,8 @@ consumes, measured in one run on this machine.
 
 It composes the same config as train.py (so `data=imagefolder data.root=DIR`, `model=...`,
 `data.num_workers=...` all apply) and prints:
-  - plan: fill (real tokens / capacity), mean images per batch, planning time per batch;
+  - plan: fill (real tokens / capacity; with and without the epoch's last, partial batch),
+    mean images per batch, planning time per batch;
   - loader: images/s and tokens/s delivered by the DataLoader with its workers;
   - train step: images/s and tokens/s one forward+backward+AdamW step of the model consumes.
 """
@@ -79,6 +80,7 @@ def measure(overrides: list[str], batches: int) -> dict[str, float]:
         "rows": shape.rows,
         "row_len": shape.row_len,
         "fill": plan.fill,
+        "fill_but_last": plan.fill_but_last,
         "images_per_batch_mean": plan.images_per_batch,
         "plan_ms_per_batch": plan_seconds * 1e3,
         "num_workers": loader.num_workers,
@@ -100,7 +102,8 @@ def main() -> None:
     args = parser.parse_args()
     f = measure(args.overrides, args.batches)
     print(
-        f"plan:       {f['rows']} rows x {f['row_len']} tokens, fill {f['fill']:.1%}, "
+        f"plan:       {f['rows']} rows x {f['row_len']} tokens, fill {f['fill']:.1%} "
+        f"({f['fill_but_last']:.1%} without the epoch's last batch), "
         f"{f['images_per_batch_mean']:.1f} images per batch, "
         f"{f['plan_ms_per_batch']:.2f} ms to plan a batch\n"
         f"loader:     {f['loader_images_per_s']:.0f} images/s, {f['loader_tokens_per_s']:.0f} tokens/s "

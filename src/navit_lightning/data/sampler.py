@@ -115,7 +115,8 @@ def plan_batches(
 class PlanStats(NamedTuple):
     batches: int
     images_per_batch: float
-    fill: float  # real tokens / (rows x row_len), over the batches
+    fill: float  # real tokens / (rows x row_len), over all the batches
+    fill_but_last: float  # the same without the epoch's last batch, which takes what is left
 
 
 class PackedBatchSampler(Sampler[list[SampleKey]]):
@@ -170,7 +171,12 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
     def plan_stats(self) -> PlanStats:
         """This rank's batches of the current epoch: how many, how many images, how full."""
         batches = self._rank_batches()
+        tokens = [sum(key.keep for key in batch) for batch in batches]
+        capacity = self.shape.rows * self.shape.row_len
         images = sum(len(batch) for batch in batches)
-        tokens = sum(key.keep for batch in batches for key in batch)
-        capacity = max(1, len(batches)) * self.shape.rows * self.shape.row_len
-        return PlanStats(len(batches), images / max(1, len(batches)), tokens / capacity)
+        return PlanStats(
+            len(batches),
+            images / max(1, len(batches)),
+            sum(tokens) / (max(1, len(tokens)) * capacity),
+            sum(tokens[:-1]) / (max(1, len(tokens) - 1) * capacity),
+        )
