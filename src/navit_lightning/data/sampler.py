@@ -174,9 +174,10 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
         tokens = [sum(key.keep for key in batch) for batch in batches]
         capacity = self.shape.rows * self.shape.row_len
         images = sum(len(batch) for batch in batches)
+        but_last = tokens[:-1] or tokens
         return PlanStats(
             len(batches),
             images / max(1, len(batches)),
             sum(tokens) / (max(1, len(tokens)) * capacity),
-            sum(tokens[:-1]) / (max(1, len(tokens) - 1) * capacity),
+            sum(but_last) / (max(1, len(but_last)) * capacity),
         )
