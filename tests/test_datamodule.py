@@ -38,11 +38,13 @@ def test_batches_deliver_exactly_the_planned_sizes(project_root):
         max_patches=64,
         min_patches=4,
         token_drop_rate=0.3,
+        token_drop_by_resolution=True,
         rows=4,
         row_len=64,
         num_workers=0,
     )
     datamodule.setup("fit")
+    assert datamodule.train_policy.drop_by_resolution and datamodule.eval_policy.drop_rate == 0
     loader = datamodule.train_dataloader()
     planned = list(loader.batch_sampler)
     delivered = list(loader)

@@ -54,9 +54,10 @@ class PackedImageDataModule(L.LightningDataModule):
         self.train_policy = SizePolicy(
             patch_size,
             max_patches,
-            min_patches,
-            token_drop_rate,
-            tuple(token_drop_beta) if token_drop_beta else None,
+            min_patches=min_patches,
+            drop_rate=token_drop_rate,
+            drop_beta=tuple(token_drop_beta) if token_drop_beta else None,
+            drop_by_resolution=token_drop_by_resolution,
         )
         self.eval_policy = SizePolicy(patch_size, max_patches)
         self.shape = PackedShape(rows, row_len, max_images_per_row)
