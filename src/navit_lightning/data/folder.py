@@ -101,7 +101,7 @@ class ImageFolder(Dataset):
         path, label = self.items[index]
         try:
             with Image.open(path) as image:
-                mirror = bool(self.hflip) and random.random() < self.hflip
+                mirror = random.random() < self.hflip
                 sample = image_to_sample(image, label, self.patch_size, key.max_patches, mirror)
             return drop_tokens(sample, key.keep)
         except UNREADABLE as error:
