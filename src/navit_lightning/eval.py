@@ -16,6 +16,7 @@ from navit_lightning.utils.instantiate import (
     refuse_bad_input,
     route_lightning_logs_to_hydra,
 )
+from navit_lightning.utils.validate import check_launch
 
 
 def load_run_config(ckpt_path: str) -> DictConfig:
@@ -35,6 +36,7 @@ def load_run_config(ckpt_path: str) -> DictConfig:
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Accuracy of the checkpoint's network on the chosen split of cfg.data."""
+    check_launch(cfg)
     L.seed_everything(cfg.seed, workers=True)
     run = load_run_config(cfg.ckpt_path)
     with open_dict(cfg):

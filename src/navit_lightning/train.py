@@ -17,12 +17,14 @@ from navit_lightning.utils.instantiate import (
     refuse_bad_input,
     route_lightning_logs_to_hydra,
 )
+from navit_lightning.utils.validate import check_launch
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit (and optionally test) the model that `cfg` describes; returns the final metrics."""
+    check_launch(cfg)
     L.seed_everything(cfg.seed, workers=True)
     torch.set_float32_matmul_precision("high")
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
 from navit_lightning.data.folder import DataError
+from navit_lightning.utils.validate import ConfigError
 
 
 def instantiate_group(group: DictConfig | None) -> list[Any]:
@@ -37,10 +38,11 @@ def route_lightning_logs_to_hydra() -> None:
 
 @contextmanager
 def refuse_bad_input() -> Iterator[None]:
-    """Turn a DataError (bad data.root, a class folder without images, ...) into one line on
-    the console and exit code 2, instead of a traceback."""
+    """Turn a DataError (bad data.root, a class folder without images, ...) or a ConfigError
+    (a GPU-only setting on CPU, ...) into one line on the console and exit code 2, instead
+    of a traceback."""
     try:
         yield
-    except DataError as error:
+    except (DataError, ConfigError) as error:
         logging.getLogger("navit_lightning").error("error: %s", error)
         raise SystemExit(2) from None
