@@ -49,11 +49,15 @@ def run_entry_point(project_root: Path, tmp_path: Path):
     (tmp_path / "data").symlink_to(project_root / "data")
 
     def run(
-        script: str, *overrides: str, check: bool = True, timeout: float = 300
+        script: str,
+        *overrides: str,
+        check: bool = True,
+        launcher: tuple[str, ...] = (sys.executable,),
+        timeout: float = 300,
     ) -> subprocess.CompletedProcess:
         env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "HYDRA_FULL_ERROR": "1"}
         result = subprocess.run(
-            [sys.executable, str(REPO / script), *overrides],
+            [*launcher, str(REPO / script), *overrides],
             cwd=tmp_path,
             env=env,
             capture_output=True,

@@ -1,6 +1,7 @@
 """train.py and eval.py run end to end in subprocesses, as a user types them."""
 
 import re
+import sys
 
 import pytest
 
@@ -63,7 +64,10 @@ def test_two_rank_ddp_on_cpu(run_entry_point, strategy):
     # One whole epoch, split evenly: both ranks ran the same number of batches.
     counts = re.search(r"training batches per rank: \[(\d+), (\d+)\]", output)
     assert counts and counts.group(1) == counts.group(2) and int(counts.group(1)) > 1
-    assert_run_folder(only((run_entry_point.root / "logs" / "train" / "runs").iterdir()))
+    # Each torchrun process names its Hydra run folder from its own clock (a start across a
+    # second boundary gives rank 1 a folder of its own); only rank 0 writes the results.
+    runs = (run_entry_point.root / "logs" / "train" / "runs").iterdir()
+    assert_run_folder(only(run for run in runs if (run / "checkpoints").exists()))
 
 
 def test_multirun_makes_one_folder_per_job(run_entry_point):
@@ -73,3 +77,24 @@ def test_multirun_makes_one_folder_per_job(run_entry_point):
     assert jobs == ["0", "1"]
     for job in jobs:
         assert_run_folder(sweep / job, validated=False)
+
+
+def test_torchrun_two_processes_on_cpu(run_entry_point):
+    """Lightning detects torchrun's environment and runs ddp in the processes it started."""
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2")
+    result = run_entry_point(
+        "train.py",
+        *TINY_RUN,
+        "strategy=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "test=false",
+        launcher=torchrun,
+    )
+    output = result.stdout + result.stderr
+    counts = re.search(r"training batches per rank: \[(\d+), (\d+)\]", output)
+    assert counts and counts.group(1) == counts.group(2) and int(counts.group(1)) > 1
+    # Each torchrun process names its Hydra run folder from its own clock (a start across a
+    # second boundary gives rank 1 a folder of its own); only rank 0 writes the results.
+    runs = (run_entry_point.root / "logs" / "train" / "runs").iterdir()
+    assert_run_folder(only(run for run in runs if (run / "checkpoints").exists()))
