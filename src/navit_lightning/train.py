@@ -11,12 +11,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning.utils.callbacks import StoreRunConfig
-from navit_lightning.utils.instantiate import (
-    instantiate_group,
-    log_config,
-    refuse_bad_input,
-    route_lightning_logs_to_hydra,
-)
+from navit_lightning.utils.entry_point import log_config, refuse_bad_input, route_lightning_logs_to_hydra
+from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.validate import check_launch
 
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
