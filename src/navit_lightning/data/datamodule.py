@@ -48,7 +48,6 @@ class PackedImageDataModule(L.LightningDataModule):
         super().__init__()
         self.root = Path(root)
         self.patch_size = patch_size
-        self.max_patches = max_patches
         # Training sizes vary (variable resolution, token dropping); evaluation is at the
         # native resolution capped by max_patches, every token kept.
         self.train_policy = SizePolicy(
