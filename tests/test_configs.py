@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
-from navit_lightning.train import CONFIG_DIR
+from navit_lightning import CONFIG_DIR
 from navit_lightning.utils.instantiate import instantiate_group
 
 GROUPS = [
@@ -53,7 +53,7 @@ def test_option_composes_and_instantiates(option, tmp_path, project_root):
     datamodule = hydra.utils.instantiate(cfg.data)
     assert isinstance(datamodule, L.LightningDataModule)
     with open_dict(cfg):
-        cfg.model.net.num_classes = datamodule.num_classes
+        cfg.model.num_classes = datamodule.num_classes
     model = hydra.utils.instantiate(cfg.model)
     assert isinstance(model, L.LightningModule)
     trainer = hydra.utils.instantiate(

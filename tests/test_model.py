@@ -11,29 +11,29 @@ GRIDS = [(3, 5), (2, 2), (6, 4), (1, 7), (4, 4), (5, 1), (2, 6)]
 
 def make_net(**kwargs) -> NaViT:
     torch.manual_seed(0)
-    defaults = dict(num_classes=5, patch_size=4, dim=32, depth=2, heads=4, max_grid=8)
+    defaults = dict(patch_size=4, dim=32, depth=2, heads=4, max_grid=8)
     return NaViT(**(defaults | kwargs)).eval()
 
 
-def logits_by_label(net: NaViT, batch: PackedBatch) -> dict[int, torch.Tensor]:
-    logits = net(batch)
-    return {int(batch.labels[r, k]): logits[r, k] for r, k in (batch.labels >= 0).nonzero().tolist()}
+def features_by_label(net: NaViT, batch: PackedBatch) -> dict[int, torch.Tensor]:
+    features = net(batch)
+    return {int(batch.labels[r, k]): features[r, k] for r, k in (batch.labels >= 0).nonzero().tolist()}
 
 
 @pytest.mark.parametrize("pool", ["attention", "mean"])
 @pytest.mark.parametrize("fractional_pos", [False, True])
-def test_image_packed_with_others_gives_the_same_logits_as_alone(pool, fractional_pos):
+def test_image_packed_with_others_gives_the_same_features_as_alone(pool, fractional_pos):
     net = make_net(pool=pool, fractional_pos=fractional_pos)
     samples = [make_sample(h, w, label=i, seed=i) for i, (h, w) in enumerate(GRIDS)]
     with torch.no_grad():
-        packed = logits_by_label(net, pack(samples, SHAPE, PATCH_DIM))
+        packed = features_by_label(net, pack(samples, SHAPE, PATCH_DIM))
         assert sorted(packed) == list(range(len(samples)))
         for sample in samples:
-            alone = logits_by_label(net, pack([sample], PackedShape(1, SHAPE.row_len, 1), PATCH_DIM))
+            alone = features_by_label(net, pack([sample], PackedShape(1, SHAPE.row_len, 1), PATCH_DIM))
             torch.testing.assert_close(packed[sample.label], alone[sample.label], atol=1e-5, rtol=0)
 
 
-def test_row_chunks_give_the_same_logits_as_the_whole_batch():
+def test_row_chunks_give_the_same_features_as_the_whole_batch():
     net = make_net()
     samples = [make_sample(h, w, label=i, seed=i) for i, (h, w) in enumerate(GRIDS)]
     batch = pack(samples, SHAPE, PATCH_DIM)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from navit_lightning.train import CONFIG_DIR
+from navit_lightning import CONFIG_DIR
 from navit_lightning.utils.validate import ConfigError, check_launch
 
 
@@ -24,6 +24,11 @@ def config(*overrides: str):
             "sync_batchnorm=true needs CUDA",
         ),
         (2, ["trainer.devices=4", "strategy=ddp"], "trainer.devices=4 but 2 CUDA GPU(s) are visible"),
+        (0, ["trainer.strategy=dp"], "trainer.strategy=dp is unknown: use strategy=<one of auto, ddp"),
+        (0, ["strategy=dp"], "strategy=dp drives several CUDA GPUs from one process and none is visible"),
+        (2, ["strategy=dp", "trainer.num_nodes=2"], "for trainer.num_nodes>1 use strategy=ddp"),
+        (2, ["strategy=dp", "trainer.sync_batchnorm=true"], "drop trainer.sync_batchnorm"),
+        (2, ["strategy=dp", "model.compile=true"], "model.compile=true cannot run under strategy=dp"),
     ],
 )
 def test_refused(monkeypatch, gpus, overrides, message):
@@ -46,6 +51,8 @@ def test_refused(monkeypatch, gpus, overrides, message):
                 "trainer.precision=16-mixed",
             ],
         ),
+        (2, ["strategy=dp", "trainer.devices=2", "trainer.precision=bf16-mixed", "model.head=bn_mlp"]),
+        (0, ["trainer.strategy=ddp_spawn", "trainer.accelerator=cpu"]),
     ],
 )
 def test_allowed(monkeypatch, gpus, overrides):
@@ -54,8 +61,25 @@ def test_allowed(monkeypatch, gpus, overrides):
 
 
 @pytest.mark.slow
-def test_refusal_is_one_line_and_exit_code_2(run_entry_point):
-    result = run_entry_point("train.py", "trainer.precision=16-mixed", check=False)
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.precision=16-mixed"], "trainer.precision=16-mixed needs a CUDA GPU"),
+        (["strategy=dp", "trainer.devices=2"], "on CPU use strategy=ddp trainer.accelerator=cpu"),
+        (["trainer.sync_batchnorm=true", "model.head=bn_mlp"], "sync_batchnorm=true needs CUDA GPUs"),
+        (["trainer.strategy=foo"], "trainer.strategy=foo is unknown"),
+        (["data.max_patches=200"], "data.max_patches=200 exceeds data.row_len=144"),
+    ],
+)
+def test_refusal_is_one_line_and_exit_code_2(run_entry_point, overrides, message):
+    result = run_entry_point("train.py", *overrides, check=False)
     assert result.returncode == 2
     errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
-    assert len(errors) == 1 and "trainer.precision=16-mixed needs a CUDA GPU" in errors[0]
+    assert len(errors) == 1 and message in errors[0], errors
+
+
+@pytest.mark.slow
+def test_an_unknown_strategy_option_is_refused_with_the_options(run_entry_point):
+    result = run_entry_point("train.py", "strategy=foo", check=False)
+    assert result.returncode != 0
+    assert "Could not find 'strategy/foo'" in result.stderr and "ddp_spawn" in result.stderr

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from navit_lightning.train import CONFIG_DIR
+from navit_lightning import CONFIG_DIR
 from navit_lightning.utils.entry_point import refuse_bad_input, route_lightning_logs_to_hydra
 from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.validate import check_launch

@@ -1,4 +1,4 @@
-"""The LightningModule: NaViT over packed batches, cross-entropy per image, accuracy."""
+"""The LightningModule: NaViT over packed batches, a head per image, cross-entropy, accuracy."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torchmetrics import MaxMetric
 from torchmetrics.classification import MulticlassAccuracy
 
 from navit_lightning.data.packing import IGNORE_LABEL, PackedBatch
-from navit_lightning.models import NaViT
+from navit_lightning.models import NaViT, build_head
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer, int], torch.optim.lr_scheduler.LRScheduler]
@@ -22,21 +22,22 @@ class NaViTClassifier(L.LightningModule):
     def __init__(
         self,
         net: NaViT,
+        num_classes: int,
         optimizer: OptimizerFactory,
         scheduler: SchedulerFactory | None = None,
+        head: str = "linear",
         compile: bool = False,
     ) -> None:
         super().__init__()
         self.net = net
+        self.head = build_head(head, net.num_features, num_classes)
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.compile = compile
         # Keyed "<stage>_acc": a bare "train" key would clash with nn.Module.train.
         self.accuracy = nn.ModuleDict(
             {
-                f"{stage}_acc": MulticlassAccuracy(
-                    net.num_classes, average="micro", ignore_index=IGNORE_LABEL
-                )
+                f"{stage}_acc": MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_LABEL)
                 for stage in ("train", "val", "test")
             }
         )
@@ -47,17 +48,21 @@ class NaViTClassifier(L.LightningModule):
             self.net.compile()  # in place: the state_dict keys stay those of the plain network
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
-        return self.net(batch)
+        """Logits (N, classes) of the batch's N images, in row-major slot order."""
+        features = self.net(batch)  # (R, K, dim)
+        # The head sees only real images: BatchNorm statistics must not count empty slots.
+        return self.head(features[batch.image_slots])
 
     def _step(self, batch: PackedBatch, stage: str) -> torch.Tensor:
-        logits = self(batch).flatten(0, 1)  # (R*K, classes)
-        labels = batch.labels.flatten()
-        num_images = batch.num_images
+        logits = self(batch)
+        labels = batch.labels[batch.image_slots]
+        num_images = len(labels)
         # A sum over the real images, not a mean over slots: an all-padding filler batch
         # (see PackedBatchSampler) then gives a zero loss instead of NaN.
         loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_LABEL, reduction="sum")
         loss = loss / max(num_images, 1)
-        self.accuracy[f"{stage}_acc"](logits, labels)
+        if num_images:  # torchmetrics refuses empty inputs; its state syncs at compute anyway
+            self.accuracy[f"{stage}_acc"].update(logits, labels)
         log = dict(batch_size=max(num_images, 1), sync_dist=stage != "train")
         self.log(f"{stage}/loss", loss, prog_bar=True, on_step=stage == "train", on_epoch=True, **log)
         self.log(

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import hydra
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from navit_lightning import CONFIG_DIR
 from navit_lightning.utils.callbacks import StoreRunConfig
 from navit_lightning.utils.entry_point import log_config, refuse_bad_input, route_lightning_logs_to_hydra
 from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.validate import check_launch
-
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "configs")
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -25,7 +22,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     torch.set_float32_matmul_precision("high")
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
     with open_dict(cfg):
-        cfg.model.net.num_classes = datamodule.num_classes
+        cfg.model.num_classes = datamodule.num_classes
     model: L.LightningModule = hydra.utils.instantiate(cfg.model)
     run_config = OmegaConf.to_container(cfg, resolve=True)
     callbacks = [*instantiate_group(cfg.get("callbacks")), StoreRunConfig(run_config)]

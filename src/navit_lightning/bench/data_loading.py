@@ -25,9 +25,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
+from navit_lightning import CONFIG_DIR
 from navit_lightning.data.datamodule import PackedImageDataModule
-from navit_lightning.data.packing import IGNORE_LABEL
-from navit_lightning.train import CONFIG_DIR
 
 
 def measure(overrides: list[str], batches: int) -> dict[str, float]:
@@ -58,16 +57,13 @@ def measure(overrides: list[str], batches: int) -> dict[str, float]:
     del iterator
 
     with open_dict(cfg):
-        cfg.model.net.num_classes = datamodule.num_classes
-    net = hydra.utils.instantiate(cfg.model.net)
-    optimizer = torch.optim.AdamW(net.parameters())
+        cfg.model.num_classes = datamodule.num_classes
+    model = hydra.utils.instantiate(cfg.model)
+    optimizer = torch.optim.AdamW(model.parameters())
     step_times = []
     for batch in collected:
         start = time.perf_counter()
-        logits = net(batch)
-        loss = torch.nn.functional.cross_entropy(
-            logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_LABEL
-        )
+        loss = torch.nn.functional.cross_entropy(model(batch), batch.labels[batch.image_slots])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

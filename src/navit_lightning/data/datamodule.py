@@ -15,6 +15,7 @@ from navit_lightning.data import shapes
 from navit_lightning.data.folder import DataError, ImageFolder, check_class_folders, find_classes, list_images
 from navit_lightning.data.packing import PackCollate, PackedShape
 from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
+from navit_lightning.strategies import devices_per_process
 
 
 class PackedImageDataModule(L.LightningDataModule):
@@ -59,6 +60,7 @@ class PackedImageDataModule(L.LightningDataModule):
             drop_by_resolution=token_drop_by_resolution,
         )
         self.eval_policy = SizePolicy(patch_size, max_patches)
+        # Per device; see process_shape.
         self.shape = PackedShape(rows, row_len, max_images_per_row)
         self.lookahead = lookahead
         self.val_fraction = val_fraction
@@ -119,13 +121,24 @@ class PackedImageDataModule(L.LightningDataModule):
                 raise DataError(f"no readable images for the {name} split under {self.root}")
         self.datasets.setdefault("test", self.datasets["val"])
 
+    @property
+    def _devices_per_process(self) -> int:
+        return devices_per_process(self.trainer.strategy) if self.trainer else 1
+
+    @property
+    def process_shape(self) -> PackedShape:
+        """The shape of this process's batches: data.rows per device it drives (dp drives
+        several and splits each batch by rows)."""
+        rows = self.shape.rows * self._devices_per_process
+        return PackedShape(rows, self.shape.row_len, self.shape.max_images)
+
     def batch_sampler(self, split: str) -> PackedBatchSampler:
         """The sampler that plans `split`'s packed batches for this rank."""
         trainer = self.trainer
         train = split == "train"
         return PackedBatchSampler(
             self.datasets[split].sizes,
-            self.shape,
+            self.process_shape,
             self.train_policy if train else self.eval_policy,
             shuffle=train,
             seed=self.seed,
@@ -139,7 +152,7 @@ class PackedImageDataModule(L.LightningDataModule):
         return DataLoader(
             self.datasets[split],
             batch_sampler=self.batch_sampler(split),
-            collate_fn=PackCollate(self.shape, self.patch_size**2 * 3),
+            collate_fn=PackCollate(self.process_shape, self.patch_size**2 * 3),
             num_workers=workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=workers > 0,
@@ -149,7 +162,7 @@ class PackedImageDataModule(L.LightningDataModule):
         if self.num_workers is not None:
             return self.num_workers
         # The CPU cores of this node shared by its processes, one left for each training loop.
-        local_processes = self.trainer.num_devices if self.trainer else 1
+        local_processes = self.trainer.num_devices // self._devices_per_process if self.trainer else 1
         return max(1, min(8, (os.cpu_count() or 1) // local_processes - 1))
 
     def train_dataloader(self) -> DataLoader:
@@ -160,16 +173,18 @@ class PackedImageDataModule(L.LightningDataModule):
     def _report_effective_batch(self, sampler: PackedBatchSampler) -> None:
         """Print and log what one optimizer step consumes: a token budget, not an image count."""
         stats = sampler.plan_stats()
-        devices = self.trainer.world_size if self.trainer else 1
+        ranks = self.trainer.world_size if self.trainer else 1
         accumulation = self.trainer.accumulate_grad_batches if self.trainer else 1
-        tokens = self.shape.rows * self.shape.row_len
-        step_tokens = devices * accumulation * tokens
-        step_images = devices * accumulation * stats.images_per_batch
+        shape = self.process_shape
+        tokens = shape.rows * shape.row_len
+        step_tokens = ranks * accumulation * tokens
+        step_images = ranks * accumulation * stats.images_per_batch
         rank_zero_info(
-            f"train: {stats.batches} batches per epoch on each of {devices} rank(s), each {self.shape.rows} "
-            f"rows x {self.shape.row_len} tokens holding {stats.images_per_batch:.1f} images on average "
-            f"({stats.fill:.1%} real tokens); one optimizer step = {devices} rank(s) x "
-            f"{accumulation} accumulated x {tokens} tokens = {step_tokens} tokens, ~{step_images:.0f} images"
+            f"train: {stats.batches} batches per epoch on each of {ranks} rank(s), each {shape.rows} "
+            f"rows ({self.shape.rows} x {self._devices_per_process} device(s)) x {shape.row_len} tokens "
+            f"holding {stats.images_per_batch:.1f} images on average ({stats.fill:.1%} real tokens); "
+            f"one optimizer step = {ranks} rank(s) x {accumulation} accumulated x {tokens} tokens "
+            f"= {step_tokens} tokens, ~{step_images:.0f} images"
         )
         for logger in self.trainer.loggers if self.trainer else []:
             logger.log_hyperparams(

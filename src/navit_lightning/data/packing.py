@@ -24,8 +24,13 @@ class PackedBatch(NamedTuple):
     labels: torch.Tensor  # (R, K) class of each slot; IGNORE_LABEL for an empty slot
 
     @property
+    def image_slots(self) -> torch.Tensor:
+        """(R, K) True where a slot holds an image."""
+        return self.grid[..., 0] > 0
+
+    @property
     def num_images(self) -> int:
-        return int((self.labels != IGNORE_LABEL).sum())
+        return int(self.image_slots.sum())
 
     @property
     def num_real_tokens(self) -> int:

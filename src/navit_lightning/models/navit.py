@@ -67,11 +67,13 @@ class PatchEmbed(nn.Module):
 
 
 class NaViT(nn.Module):
-    """Patch n' Pack ViT: per-image logits (R, K, num_classes) from a PackedBatch."""
+    """Patch n' Pack ViT: one feature vector per image slot, (R, K, dim), from a PackedBatch.
+
+    The classification head lives with the task (NaViTClassifier), so that under strategy=dp
+    it runs once over the whole batch's images."""
 
     def __init__(
         self,
-        num_classes: int,
         patch_size: int = 16,
         channels: int = 3,
         dim: int = 192,
@@ -86,7 +88,7 @@ class NaViT(nn.Module):
         pixel_std: Sequence[float] = (0.5, 0.5, 0.5),
     ) -> None:
         super().__init__()
-        self.num_classes = num_classes
+        self.num_features = dim
         self.patch_size = patch_size
         self.patch_embed = PatchEmbed(patch_size, channels, dim, pixel_mean, pixel_std)
         self.pos_embed = FactorizedPosEmbed(dim, max_grid, fractional_pos)
@@ -96,8 +98,7 @@ class NaViT(nn.Module):
         if pool not in pools:
             raise ValueError(f"model.pool={pool!r} is unknown: use one of {sorted(pools)}")
         self.pool = pools[pool]()
-        self.head = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, num_classes))
-        self.apply(_init_weights)
+        self.apply(init_weights)
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
         max_images = batch.grid.shape[1]
@@ -108,11 +109,10 @@ class NaViT(nn.Module):
         mask = document_mask(batch.image_ids)
         for block in self.blocks:
             x = block(x, mask)
-        pooled = self.pool(self.norm(x), batch.image_ids, max_images)
-        return self.head(pooled)
+        return self.pool(self.norm(x), batch.image_ids, max_images)
 
 
-def _init_weights(module: nn.Module) -> None:
+def init_weights(module: nn.Module) -> None:
     if isinstance(module, nn.Linear):
         nn.init.trunc_normal_(module.weight, std=0.02)
         if module.bias is not None:

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from hydra.errors import InstantiationException
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
@@ -31,9 +32,12 @@ def route_lightning_logs_to_hydra() -> None:
 def refuse_bad_input() -> Iterator[None]:
     """Turn a DataError (bad data.root, a class folder without images, ...) or a ConfigError
     (a GPU-only setting on CPU, ...) into one line on the console and exit code 2, instead
-    of a traceback."""
+    of a traceback. Hydra wraps what a constructor raises: the cause is what counts."""
     try:
         yield
-    except (DataError, ConfigError) as error:
-        logging.getLogger("navit_lightning").error("error: %s", error)
+    except (DataError, ConfigError, InstantiationException) as error:
+        cause = error.__cause__ if isinstance(error, InstantiationException) else error
+        if not isinstance(cause, (DataError, ConfigError)):
+            raise
+        logging.getLogger("navit_lightning").error("error: %s", cause)
         raise SystemExit(2) from None

@@ -3,12 +3,19 @@ otherwise fail deep inside Lightning or torch (or silently do something else).""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from lightning.pytorch.strategies import StrategyRegistry
 from omegaconf import DictConfig
+
+from navit_lightning import CONFIG_DIR
 
 GPU_ACCELERATORS = {"gpu", "cuda"}
 # Lightning turns 16-mixed into bf16-mixed on CPU with only a warning.
 GPU_ONLY_PRECISIONS = {"16-mixed", "16"}
+DP_TARGET = "navit_lightning.strategies.PackedDataParallelStrategy"
+STRATEGY_OPTIONS = sorted(path.stem for path in (Path(CONFIG_DIR) / "strategy").glob("*.yaml"))
 
 
 class ConfigError(ValueError):
@@ -17,6 +24,7 @@ class ConfigError(ValueError):
 
 def check_launch(cfg: DictConfig) -> None:
     trainer = cfg.trainer
+    check_strategy_name(trainer.strategy)
     gpus = torch.cuda.device_count()
     accelerator = str(trainer.accelerator)
     if accelerator in GPU_ACCELERATORS and gpus == 0:
@@ -38,4 +46,39 @@ def check_launch(cfg: DictConfig) -> None:
         raise ConfigError(
             "trainer.sync_batchnorm=true needs CUDA GPUs (torch's SyncBatchNorm runs on GPU only): "
             "drop it on CPU, where ddp ranks keep their own BatchNorm statistics"
+        )
+    if is_dp(trainer.strategy):
+        check_dp(cfg, on_gpu)
+
+
+def check_strategy_name(strategy: object) -> None:
+    """A plain trainer.strategy string must be one Lightning knows; the project's own
+    strategies (dp, and ddp fixed for Hydra multirun) come from the strategy config group."""
+    if not isinstance(strategy, str) or strategy in StrategyRegistry or strategy == "auto":
+        return
+    options = ", ".join(STRATEGY_OPTIONS)
+    raise ConfigError(f"trainer.strategy={strategy} is unknown: use strategy=<one of {options}>")
+
+
+def is_dp(strategy: object) -> bool:
+    return isinstance(strategy, DictConfig) and strategy.get("_target_") == DP_TARGET
+
+
+def check_dp(cfg: DictConfig, on_gpu: bool) -> None:
+    if not on_gpu:
+        raise ConfigError(
+            "strategy=dp drives several CUDA GPUs from one process and none is visible: "
+            "on CPU use strategy=ddp trainer.accelerator=cpu trainer.devices=N"
+        )
+    if cfg.trainer.num_nodes > 1:
+        raise ConfigError("strategy=dp runs on one machine: for trainer.num_nodes>1 use strategy=ddp")
+    if cfg.trainer.sync_batchnorm:
+        raise ConfigError(
+            "strategy=dp runs the head once over the whole batch, so BatchNorm already sees every "
+            "image: drop trainer.sync_batchnorm (it applies to strategy=ddp)"
+        )
+    if cfg.model.get("compile"):
+        raise ConfigError(
+            "model.compile=true cannot run under strategy=dp (a compiled network does not replicate): "
+            "use strategy=ddp, or model.compile=false"
         )

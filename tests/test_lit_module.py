@@ -1,0 +1,47 @@
+"""The classifier around NaViT: a head over the real images only, and filler batches."""
+
+from functools import partial
+
+import pytest
+import torch
+
+from navit_lightning.data.packing import PackedBatch, PackedShape, pack
+from navit_lightning.lit_module import NaViTClassifier
+from navit_lightning.models import NaViT
+from tests.test_model import SHAPE
+from tests.test_packing import PATCH_DIM, make_sample
+
+GRIDS = [(3, 5), (2, 2), (6, 4), (1, 7), (4, 4), (5, 1), (2, 6), (3, 3), (2, 5), (4, 2)]
+
+
+def make_batch(rows: int = 4, images: int = len(GRIDS)) -> PackedBatch:
+    samples = [make_sample(h, w, label=i % 3, seed=i) for i, (h, w) in enumerate(GRIDS[:images])]
+    return pack(samples, PackedShape(rows, 40, 4), PATCH_DIM)
+
+
+def make_model(head: str) -> NaViTClassifier:
+    torch.manual_seed(0)
+    net = NaViT(patch_size=4, dim=32, depth=2, heads=4, max_grid=8)
+    return NaViTClassifier(net, num_classes=3, optimizer=partial(torch.optim.SGD, lr=0.1), head=head)
+
+
+def test_batchnorm_head_counts_only_the_real_images():
+    model = make_model("bn_mlp").train()
+    batch = make_batch()
+    linear, norm = model.head[0], model.head[1]
+    features = model.net(batch)
+    expected_mean = linear(features[batch.image_slots]).mean(0)
+    model(batch)
+    momentum = norm.momentum
+    torch.testing.assert_close(norm.running_mean, momentum * expected_mean.detach(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("head", ["linear", "bn_mlp"])
+def test_an_all_padding_filler_batch_gives_zero_loss_and_finite_gradients(head):
+    model = make_model(head).train()
+    with pytest.warns(UserWarning, match="self.log"):  # no Trainer here to log to
+        loss = model.training_step(pack([], SHAPE, PATCH_DIM), 0)
+    loss.backward()
+    assert loss.item() == 0
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert all(torch.isfinite(b).all() for b in model.buffers())
