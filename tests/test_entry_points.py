@@ -24,6 +24,18 @@ def assert_run_folder(run, validated: bool = True):
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def assert_written_once_by_rank_zero(run, steps_per_rank: int | None = None, output: str | None = None):
+    """One log file written by rank 0 only; the batch counts of both ranks are equal (read
+    from `output`, by default the log file)."""
+    assert_run_folder(run)
+    log = (run / "train.log").read_text()
+    assert "[rank: 1]" not in log and log.count("Config:") == 1
+    counts = re.findall(r"training batches per rank: \[(\d+), (\d+)\]", output or log)
+    assert len(counts) == 1 and counts[0][0] == counts[0][1], counts
+    batches = int(counts[0][0])
+    assert (batches == steps_per_rank) if steps_per_rank else (batches > 1)
+
+
 def test_train_then_eval_reports_accuracy(run_entry_point):
     train = run_entry_point("train.py", *TINY_RUN)
     run = only((run_entry_point.root / "logs" / "train" / "runs").iterdir())
@@ -61,28 +73,17 @@ def test_two_rank_ddp_on_cpu(run_entry_point, strategy):
     )
     output = result.stdout + result.stderr
     assert "world size 2" in output
-    # One whole epoch, split evenly: both ranks ran the same number of batches.
-    counts = re.search(r"training batches per rank: \[(\d+), (\d+)\]", output)
-    assert counts and counts.group(1) == counts.group(2) and int(counts.group(1)) > 1
-    # Each torchrun process names its Hydra run folder from its own clock (a start across a
-    # second boundary gives rank 1 a folder of its own); only rank 0 writes the results.
-    runs = (run_entry_point.root / "logs" / "train" / "runs").iterdir()
-    assert_run_folder(only(run for run in runs if (run / "checkpoints").exists()))
-
-
-def test_multirun_makes_one_folder_per_job(run_entry_point):
-    run_entry_point("train.py", "-m", "seed=1,2", *TINY_RUN, "trainer.max_steps=3", "test=false")
-    sweep = only((run_entry_point.root / "logs" / "train" / "multiruns").iterdir())
-    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
-    assert jobs == ["0", "1"]
-    for job in jobs:
-        assert_run_folder(sweep / job, validated=False)
+    # One whole epoch, split evenly: both ranks ran the same number of batches. What the
+    # spawned processes log reaches the console only: Hydra configured logging in the parent.
+    run = only((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    assert_written_once_by_rank_zero(run, output=output if strategy == "ddp_spawn" else None)
 
 
 def test_torchrun_two_processes_on_cpu(run_entry_point):
-    """Lightning detects torchrun's environment and runs ddp in the processes it started."""
+    """Lightning detects torchrun's environment and runs ddp in the processes it started;
+    they agree on one run folder (rank 0's clock) and rank 1 writes no log or .hydra."""
     torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2")
-    result = run_entry_point(
+    run_entry_point(
         "train.py",
         *TINY_RUN,
         "strategy=ddp",
@@ -91,10 +92,25 @@ def test_torchrun_two_processes_on_cpu(run_entry_point):
         "test=false",
         launcher=torchrun,
     )
-    output = result.stdout + result.stderr
-    counts = re.search(r"training batches per rank: \[(\d+), (\d+)\]", output)
-    assert counts and counts.group(1) == counts.group(2) and int(counts.group(1)) > 1
-    # Each torchrun process names its Hydra run folder from its own clock (a start across a
-    # second boundary gives rank 1 a folder of its own); only rank 0 writes the results.
-    runs = (run_entry_point.root / "logs" / "train" / "runs").iterdir()
-    assert_run_folder(only(run for run in runs if (run / "checkpoints").exists()))
+    assert_written_once_by_rank_zero(only((run_entry_point.root / "logs" / "train" / "runs").iterdir()))
+
+
+def test_multirun_with_ddp_runs_each_job_once_in_its_folder(run_entry_point):
+    """Lightning's ddp launcher would rerun the whole sweep in each child (its issue 11300)."""
+    run_entry_point(
+        "train.py",
+        "-m",
+        *TINY_RUN,
+        "seed=1,2",
+        "strategy=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "trainer.max_epochs=-1",
+        "trainer.max_steps=10",
+        "test=false",
+    )
+    assert [p.name for p in (run_entry_point.root / "logs" / "train").iterdir()] == ["multiruns"]
+    sweep = only((run_entry_point.root / "logs" / "train" / "multiruns").iterdir())
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "multirun.yaml"]
+    for job in ("0", "1"):
+        assert_written_once_by_rank_zero(sweep / job, steps_per_rank=10)

@@ -11,7 +11,11 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning import CONFIG_DIR
-from navit_lightning.utils.entry_point import refuse_bad_input, route_lightning_logs_to_hydra
+from navit_lightning.utils.entry_point import (
+    prepare_command_line,
+    refuse_bad_input,
+    route_lightning_logs_to_hydra,
+)
 from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.validate import check_launch
 
@@ -54,10 +58,15 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="eval")
-def main(cfg: DictConfig) -> None:
+def hydra_main(cfg: DictConfig) -> None:
     route_lightning_logs_to_hydra()
     with refuse_bad_input():
         evaluate(cfg)
+
+
+def main() -> None:
+    prepare_command_line()
+    hydra_main()
 
 
 if __name__ == "__main__":

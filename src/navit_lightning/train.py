@@ -10,7 +10,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.utils.callbacks import StoreRunConfig
-from navit_lightning.utils.entry_point import log_config, refuse_bad_input, route_lightning_logs_to_hydra
+from navit_lightning.utils.entry_point import (
+    log_config,
+    prepare_command_line,
+    refuse_bad_input,
+    route_lightning_logs_to_hydra,
+)
 from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.validate import check_launch
 
@@ -45,11 +50,16 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
-def main(cfg: DictConfig) -> float | None:
+def hydra_main(cfg: DictConfig) -> float | None:
     route_lightning_logs_to_hydra()
     with refuse_bad_input():
         metrics = train(cfg)
     return metrics.get(cfg.get("optimized_metric"))
+
+
+def main() -> None:
+    prepare_command_line()
+    hydra_main()
 
 
 if __name__ == "__main__":

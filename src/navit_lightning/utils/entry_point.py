@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -11,7 +12,17 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
 from navit_lightning.data.folder import DataError
+from navit_lightning.utils.launch import quiet_rank_overrides, run_stamp
 from navit_lightning.utils.validate import ConfigError
+
+# configs/hydra/default.yaml names run folders with it
+OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)
+
+
+def prepare_command_line() -> None:
+    """Under torchrun or SLURM every process runs Hydra itself: leave the .hydra folder and
+    the log file to the first (see utils/launch.py)."""
+    sys.argv += quiet_rank_overrides()
 
 
 def log_config(config: DictConfig) -> None:

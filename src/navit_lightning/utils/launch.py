@@ -1,0 +1,84 @@
+"""What every process of one multi-process run must agree on before Hydra starts: the run
+folder's name, and that only the first process writes the .hydra folder and the log file.
+
+Lightning's ddp launcher starts ranks 1.. itself and tells them the folder (see
+strategies/ddp.py). torchrun and SLURM start every process themselves, each running Hydra
+on its own: without this, each would name a folder by its own clock and append to the log.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timedelta
+from typing import Any
+
+import torch
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+# Appended to the command line of every process but the first: no second .hydra folder, no
+# second writer of <task_name>.log (the handler stays configured, but never opens the file).
+QUIET_RANK_OVERRIDES = (
+    "hydra.output_subdir=null",
+    "hydra.job_logging.root.handlers=[console]",
+    "+hydra.job_logging.handlers.file.delay=true",
+)
+STAMP_KEY = "navit_lightning/run_stamp"
+
+
+def external_launch_rank() -> int | None:
+    """This process's global rank when torchrun or SLURM (srun) started several; else None."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        return int(os.environ["RANK"])
+    if int(os.environ.get("SLURM_NTASKS", 1)) > 1 and "SLURM_PROCID" in os.environ:
+        return int(os.environ["SLURM_PROCID"])
+    return None
+
+
+def quiet_rank_overrides() -> list[str]:
+    rank = external_launch_rank()
+    return list(QUIET_RANK_OVERRIDES) if rank else []
+
+
+def run_stamp(pattern: str) -> str:
+    """The run folder's name (Hydra resolver `run_stamp`): the start time in `pattern`, the same on
+    every process of a launch. torchrun: rank 0's clock, shared through the torchrun agent's
+    store; SLURM with several tasks: the job and step id; otherwise this process's clock."""
+    stamp = datetime.now().strftime(pattern)
+    if external_launch_rank() is None:
+        return stamp
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return _shared_through_torchrun_store(stamp)
+    if "SLURM_JOB_ID" in os.environ:
+        return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', 0)}"
+    return stamp
+
+
+def _shared_through_torchrun_store(stamp: str) -> str:
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(minutes=5),
+    )
+    # A restarted worker group gets a folder of its own.
+    key = f"{STAMP_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    if int(os.environ["RANK"]) == 0:
+        store.set(key, stamp)
+    return store.get(key).decode()
+
+
+class IsolateJobs(Callback):
+    """Hydra callback: each job of a sweep starts from the process state the sweep started
+    with. A ddp job leaves its process group and the variables Lightning's launcher set
+    (LOCAL_RANK, WORLD_SIZE, MASTER_PORT, ...): the next job would take itself for a rank
+    of the last one and wait for peers that have exited."""
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._environ = dict(os.environ)
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(self._environ)

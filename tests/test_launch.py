@@ -1,0 +1,84 @@
+"""Processes started by torchrun or SLURM agree on one run folder and one log writer."""
+
+import os
+import socket
+from datetime import datetime, timedelta
+
+import pytest
+import torch
+
+from navit_lightning.utils import launch
+
+PATTERN = "%Y-%m-%d_%H-%M-%S"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_env(monkeypatch, rank: int, port: int) -> None:
+    for name, value in {
+        "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "WORLD_SIZE": "2",
+        "RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_torchrun_ranks_take_rank_zeros_stamp_from_the_agent_store(monkeypatch):
+    port = free_port()
+    agent_store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=30))
+    torchrun_env(monkeypatch, rank=0, port=port)
+    stamp = launch.run_stamp(PATTERN)
+    torchrun_env(monkeypatch, rank=1, port=port)
+
+    class OtherClock:  # rank 1's clock has passed a second boundary, or is off
+        @staticmethod
+        def now() -> datetime:
+            return datetime(2000, 1, 1)
+
+    monkeypatch.setattr(launch, "datetime", OtherClock)
+    assert launch.run_stamp(PATTERN) == stamp != "2000-01-01_00-00-00"
+    assert launch.quiet_rank_overrides() == list(launch.QUIET_RANK_OVERRIDES)
+    del agent_store
+
+
+def test_slurm_tasks_name_the_run_by_job_and_step(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    for name, value in {
+        "SLURM_NTASKS": "8",
+        "SLURM_PROCID": "3",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_STEP_ID": "0",
+    }.items():
+        monkeypatch.setenv(name, value)
+    assert launch.run_stamp(PATTERN) == "slurm-4242.0"
+    assert launch.external_launch_rank() == 3 and launch.quiet_rank_overrides()
+
+
+@pytest.mark.parametrize("env", [{}, {"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}])
+def test_a_lone_process_uses_its_clock_and_writes_everything(monkeypatch, env):
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert launch.external_launch_rank() is None and launch.quiet_rank_overrides() == []
+    assert len(launch.run_stamp(PATTERN)) == len("2026-01-01_00-00-00")
+
+
+def test_a_sweep_job_leaves_no_distributed_state_for_the_next(monkeypatch):
+    isolate = launch.IsolateJobs()
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    isolate.on_job_start(None)
+    os.environ["LOCAL_RANK"] = "0"  # what Lightning's ddp launcher sets in the parent
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0
+    )
+    isolate.on_job_end(None, None)
+    assert "LOCAL_RANK" not in os.environ and not torch.distributed.is_initialized()
