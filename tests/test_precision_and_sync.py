@@ -1,0 +1,53 @@
+"""Precision choices train on CPU; sync_batchnorm converts the BatchNorm head for GPU ddp."""
+
+import hydra
+import pytest
+import torch
+from lightning.fabric.accelerators import cuda as fabric_cuda
+from lightning.pytorch.accelerators import CUDAAccelerator
+from omegaconf import open_dict
+
+from tests.conftest import TINY_RUN
+from tests.test_configs import compose_train
+
+
+def test_sync_batchnorm_turns_the_heads_batchnorm_into_syncbatchnorm_under_gpu_ddp(
+    monkeypatch, tmp_path, project_root
+):
+    """The trainer our configs build for 2 GPUs converts the model as DDPStrategy.setup does
+    (Lightning's layer sync); inspected here without CUDA or NCCL."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(fabric_cuda, "num_cuda_devices", lambda: 2)
+    monkeypatch.setattr(CUDAAccelerator, "is_available", staticmethod(lambda: True))
+    overrides = ["strategy=ddp", "trainer.devices=2", "trainer.sync_batchnorm=true", "model.head=bn_mlp"]
+    cfg = compose_train(overrides, tmp_path, project_root)
+    with open_dict(cfg):
+        cfg.model.num_classes = 6
+    model = hydra.utils.instantiate(cfg.model)
+    trainer = hydra.utils.instantiate(cfg.trainer, logger=False, callbacks=[])
+    assert [d.type for d in trainer.strategy.parallel_devices] == ["cuda", "cuda"]
+    converted = trainer.strategy._layer_sync.apply(model)
+    norms = [
+        type(m).__name__ for m in converted.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+    ]
+    assert norms == ["SyncBatchNorm"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("overrides", "announced"),
+    [
+        (["trainer.precision=bf16-mixed"], "Using bfloat16 Automatic Mixed Precision"),
+        (["trainer.precision=32-true", "model.head=bn_mlp"], None),
+        (["trainer.precision=bf16-mixed", "model.head=bn_mlp", "strategy=ddp", "trainer.devices=2"], None),
+    ],
+)
+def test_precisions_and_the_batchnorm_head_train_on_cpu(run_entry_point, overrides, announced):
+    result = run_entry_point("train.py", *TINY_RUN, "trainer.accelerator=cpu", *overrides, "test=false")
+    if announced:
+        assert announced in result.stdout + result.stderr
+    last = next((run_entry_point.root / "logs" / "train" / "runs").glob("*/checkpoints/last.ckpt"))
+    state = torch.load(last, map_location="cpu", weights_only=False)["state_dict"]
+    assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+    if "model.head=bn_mlp" in overrides:
+        assert state["head.1.num_batches_tracked"] > 0 and state["head.1.running_mean"].abs().sum() > 0
