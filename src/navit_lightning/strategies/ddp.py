@@ -1,23 +1,31 @@
-"""strategy=ddp under Hydra: ranks 1.. rerun this job, not the command line.
+"""strategy=ddp and ddp_spawn under Hydra.
 
 Lightning's ddp launcher starts ranks 1.. as `python <sys.argv> hydra.run.dir=<run dir>`.
 In a multirun sweep sys.argv holds `-m` and the whole sweep, so every child starts a sweep
 of its own in another folder (Lightning issue 11300). Here the children get this job's own
 overrides and its output folder, and leave the .hydra folder and the log file to rank 0.
+
+ddp_spawn's processes start with Python's default logging, so what rank 0 logs during fit
+would miss the run's log file: they get the job's logging config back.
 """
 
 from __future__ import annotations
 
+import logging.config
 import sys
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_original_cwd, to_absolute_path
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import subprocess_script
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+from omegaconf import OmegaConf
 
 import __main__
+from navit_lightning.utils.entry_point import route_lightning_logs_to_hydra
 from navit_lightning.utils.launch import QUIET_RANK_OVERRIDES
 
 
@@ -45,10 +53,28 @@ class _HydraJobLauncher(subprocess_script._SubprocessScriptLauncher):
             super()._call_children_scripts()
 
 
+class _HydraLoggingSpawnLauncher(_MultiProcessingLauncher):
+    def __init__(self, strategy: DDPStrategy, start_method: str) -> None:
+        super().__init__(strategy, start_method=start_method)
+        self._job_logging = OmegaConf.to_container(HydraConfig.get().job_logging, resolve=True)
+
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        job_logging = dict(self._job_logging)
+        if process_idx > 0:  # the console only: the log file is rank 0's
+            job_logging["handlers"] = {k: v for k, v in job_logging["handlers"].items() if k != "file"}
+            job_logging["root"] = {**job_logging["root"], "handlers": ["console"]}
+        logging.config.dictConfig(job_logging)
+        route_lightning_logs_to_hydra()
+        super()._wrapping_function(process_idx, *args, **kwargs)
+
+
 class HydraDDPStrategy(DDPStrategy):
-    """DDPStrategy whose `popen` launcher reruns the current Hydra job (also in multirun)."""
+    """DDPStrategy whose ranks run as the current Hydra job: `popen` children rerun the job
+    (also in multirun), `spawn` processes log as the job does."""
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if self._start_method == "popen":
             self._launcher = _HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        elif HydraConfig.initialized():
+            self._launcher = _HydraLoggingSpawnLauncher(self, self._start_method)
