@@ -45,3 +45,34 @@ def test_an_all_padding_filler_batch_gives_zero_loss_and_finite_gradients(head):
     assert loss.item() == 0
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     assert all(torch.isfinite(b).all() for b in model.buffers())
+
+
+def test_throughput_monitor_logs_tokens_and_model_flops(tmp_path):
+    import lightning as L
+    from lightning.pytorch.callbacks import ThroughputMonitor
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.data import DataLoader
+
+    from navit_lightning.data.packing import images_in, real_tokens_in
+
+    model, batch = make_model("linear"), make_batch()
+    monitor = ThroughputMonitor(batch_size_fn=images_in, length_fn=real_tokens_in, window_size=2)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        log_every_n_steps=1,
+        callbacks=[monitor],
+        logger=CSVLogger(tmp_path),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader([batch] * 4, batch_size=None))
+    assert model.flops_per_batch == int(model.net.train_flops(batch)) > 0
+    header, *rows = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
+    columns = header.split(",")
+    logged = {
+        name: [row.split(",")[i] for row in rows if row.split(",")[i]] for i, name in enumerate(columns)
+    }
+    assert logged["train/device/flops_per_sec"] and float(logged["train/device/flops_per_sec"][-1]) > 0
+    assert logged["train/device/items_per_sec"] and logged["train/device/samples_per_sec"]

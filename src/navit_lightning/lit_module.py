@@ -42,6 +42,8 @@ class NaViTClassifier(L.LightningModule):
             }
         )
         self.val_acc_best = MaxMetric()
+        # Model FLOPs of the latest training batch, read by Lightning's ThroughputMonitor.
+        self.flops_per_batch = 0
 
     def setup(self, stage: str) -> None:
         if self.compile and stage == "fit":
@@ -74,6 +76,9 @@ class NaViTClassifier(L.LightningModule):
                 "train/fill", batch.num_real_tokens / batch.image_ids.numel(), on_step=True, on_epoch=False
             )
         return loss
+
+    def on_train_batch_start(self, batch: PackedBatch, batch_idx: int) -> None:
+        self.flops_per_batch = int(self.net.train_flops(batch))
 
     def training_step(self, batch: PackedBatch, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")

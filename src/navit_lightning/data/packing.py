@@ -37,6 +37,16 @@ class PackedBatch(NamedTuple):
         return int((self.image_ids != PAD_ID).sum())
 
 
+def images_in(batch: PackedBatch) -> int:
+    """Samples of a batch, for Lightning's ThroughputMonitor (batch_size_fn)."""
+    return batch.num_images
+
+
+def real_tokens_in(batch: PackedBatch) -> int:
+    """Tokens that are not padding, for Lightning's ThroughputMonitor (length_fn)."""
+    return batch.num_real_tokens
+
+
 @dataclass(frozen=True)
 class PackedShape:
     """The static shape of every batch: rows x row_len tokens, max_images slots per row."""

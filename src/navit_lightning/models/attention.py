@@ -1,9 +1,23 @@
-"""Self-attention restricted to each image of a packed row.
+"""Self-attention restricted to each image of a packed row, behind interchangeable backends.
 
-Masked SDPA over a per-row document mask: the portable reference implementation.
+A backend turns the batch's image ids into a plan once per batch (a mask, a block mask,
+segment offsets) that every layer shares, then attends with it:
+
+- sdpa: scaled_dot_product_attention with a dense (R, 1, L, L) document mask: the portable
+  reference; it computes all L^2 scores of a row and masks most of them away.
+- flex: FlexAttention with a document block mask: blocks outside every image are skipped.
+  Compiled (CPU and CUDA); its first step compiles for a while.
+- varlen: flash attention over variable-length segments (CUDA): each image is a sequence
+  of its own, so a row costs the sum of its images' n_i^2. A row's padding is one more short
+  segment, whose outputs are never used.
+
+FlexAttention has no backward on CPU (torch 2.13): there, flex serves evaluation only.
 """
 
 from __future__ import annotations
+
+from functools import cache
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +34,129 @@ def document_mask(image_ids: torch.Tensor) -> torch.Tensor:
     return rearrange(image_ids, "r i -> r 1 i 1") == rearrange(image_ids, "r j -> r 1 1 j")
 
 
+class Backend(Protocol):
+    name: str
+
+    def plan(self, image_ids: torch.Tensor) -> Any:
+        """What every layer needs to attend within images, built once per batch."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any) -> torch.Tensor:
+        """q, k, v: (R, H, L, D) -> (R, H, L, D)."""
+
+
+class SdpaBackend:
+    name = "sdpa"
+
+    def plan(self, image_ids: torch.Tensor) -> torch.Tensor:
+        return document_mask(image_ids)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=plan)
+
+
+@cache
+def _compiled_flex_attention() -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+class FlexBackend:
+    name = "flex"
+
+    def __init__(self, block_size: int = 128) -> None:
+        self.block_size = block_size
+
+    def plan(self, image_ids: torch.Tensor) -> Any:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_image(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+            return image_ids[b, q] == image_ids[b, kv]
+
+        rows, length = image_ids.shape
+        return create_block_mask(
+            same_image, rows, None, length, length, device=image_ids.device, BLOCK_SIZE=self.block_size
+        )
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any) -> torch.Tensor:
+        return _compiled_flex_attention()(q, k, v, block_mask=plan)
+
+
+class VarlenBackend:
+    """Segments: every image, and each row's padding, in row-major order over the flattened
+    batch; the longest segment is bounded by the row length (no host sync to find it)."""
+
+    name = "varlen"
+
+    def plan(self, image_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        rows, length = image_ids.shape
+        # A segment starts at each row start and wherever the image id changes.
+        starts = torch.ones_like(image_ids, dtype=torch.bool)
+        starts[:, 1:] = image_ids[:, 1:] != image_ids[:, :-1]
+        positions = torch.arange(rows * length, device=image_ids.device, dtype=torch.int32)
+        begins = positions[starts.flatten()]
+        return torch.cat([begins, begins.new_tensor([rows * length])]), length
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: tuple[torch.Tensor, int]
+    ) -> torch.Tensor:
+        from torch.nn.attention.varlen import varlen_attn
+
+        offsets, max_len = plan
+        rows = q.shape[0]
+        # Autocast leaves the op's inputs as they come (q, k out of LayerNorm in float32).
+        dtype = compute_dtype(q.device, q.dtype)
+        if dtype not in HALF_DTYPES:
+            raise ValueError(
+                "model.net.attention=varlen needs bf16 or fp16: use trainer.precision=bf16-mixed, "
+                "or model.net.attention=flex for float32"
+            )
+        q, k, v = (rearrange(t.to(dtype), "r h l d -> (r l) h d") for t in (q, k, v))
+        out = varlen_attn(q, k, v, offsets, offsets, max_len, max_len)
+        return rearrange(out, "(r l) h d -> r h l d", r=rows)
+
+
+BACKENDS: dict[str, type] = {
+    "sdpa": SdpaBackend,
+    "flex": FlexBackend,
+    "varlen": VarlenBackend,
+}
+
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype matmuls run in here: autocast's when it is on, else the tensors' own."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return dtype
+
+
+def varlen_available(device: torch.device) -> bool:
+    """Flash varlen needs CUDA and an sm80+ GPU (Ampere or newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def check_backend_name(name: str) -> str:
+    if name != "auto" and name not in BACKENDS:
+        raise ValueError(f"model.net.attention={name!r} is unknown: use auto or one of {sorted(BACKENDS)}")
+    return name
+
+
+def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> Backend:
+    """`auto`: on CUDA varlen in bf16/fp16 (flash needs them) and flex in float32; on CPU the
+    dense sdpa."""
+    if name == "auto":
+        if device.type != "cuda":
+            name = "sdpa"
+        elif dtype in HALF_DTYPES and varlen_available(device):
+            name = "varlen"
+        else:
+            name = "flex"
+    return BACKENDS[name]()
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with per-head q/k LayerNorm (as in NaViT)."""
 
@@ -34,7 +171,7 @@ class Attention(nn.Module):
         self.k_norm = nn.LayerNorm(head_dim) if qk_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: Backend, plan: Any) -> torch.Tensor:
         q, k, v = rearrange(self.qkv(x), "r l (three h d) -> three r h l d", three=3, h=self.heads)
-        out = F.scaled_dot_product_attention(self.q_norm(q), self.k_norm(k), v, attn_mask=mask)
+        out = backend(self.q_norm(q), self.k_norm(k), v, plan)
         return self.proj(rearrange(out, "r h l d -> r l (h d)"))

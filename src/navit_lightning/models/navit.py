@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from einops import rearrange
 from torch import nn
 
 from navit_lightning.data.packing import PackedBatch
-from navit_lightning.models.attention import Attention, document_mask
+from navit_lightning.models.attention import (
+    Attention,
+    Backend,
+    check_backend_name,
+    compute_dtype,
+    make_backend,
+)
 from navit_lightning.models.pooling import AttentionPool, MeanPool
 from navit_lightning.models.pos_embed import FactorizedPosEmbed
 
@@ -33,8 +40,8 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), mask)
+    def forward(self, x: torch.Tensor, backend: Backend, plan: Any) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), backend, plan)
         return x + self.mlp(self.norm2(x))
 
 
@@ -84,11 +91,15 @@ class NaViT(nn.Module):
         max_grid: int = 64,
         fractional_pos: bool = False,
         pool: str = "attention",
+        attention: str = "auto",
         pixel_mean: Sequence[float] = (0.5, 0.5, 0.5),
         pixel_std: Sequence[float] = (0.5, 0.5, 0.5),
     ) -> None:
         super().__init__()
         self.num_features = dim
+        self.patch_dim = patch_size * patch_size * channels
+        self.mlp_hidden = int(dim * mlp_ratio)
+        self.attention = check_backend_name(attention)
         self.patch_size = patch_size
         self.patch_embed = PatchEmbed(patch_size, channels, dim, pixel_mean, pixel_std)
         self.pos_embed = FactorizedPosEmbed(dim, max_grid, fractional_pos)
@@ -106,10 +117,25 @@ class NaViT(nn.Module):
         slot = batch.image_ids.clamp(min=0)
         token_grid = torch.gather(batch.grid, 1, slot[..., None].expand(-1, -1, 2))
         x = self.patch_embed(batch.patches) + self.pos_embed(batch.coords, token_grid)
-        mask = document_mask(batch.image_ids)
+        backend = make_backend(self.attention, x.device, compute_dtype(x.device, x.dtype))
+        plan = backend.plan(batch.image_ids)  # once per batch, shared by every layer
         for block in self.blocks:
-            x = block(x, mask)
+            x = block(x, backend, plan)
         return self.pool(self.norm(x), batch.image_ids, max_images)
+
+    def train_flops(self, batch: PackedBatch) -> torch.Tensor:
+        """Model FLOPs of one forward + backward on the batch's real tokens: the matmuls
+        (backward twice the forward, but no input gradient for the pixels), attention counted
+        within images only (4 n^2 dim per image and layer, whatever the backend computes).
+        Norms, softmax and activations are left out, as torch's FLOP counter does."""
+        tokens_per_image = (batch.grid[..., 0] * batch.grid[..., 1]).float()  # (R, K), 0 if empty
+        tokens, squares = tokens_per_image.sum(), tokens_per_image.pow(2).sum()
+        images = (tokens_per_image > 0).sum()
+        d, depth = self.num_features, len(self.blocks)
+        per_token = depth * (8 * d * d + 4 * d * self.mlp_hidden) + 4 * d * d  # blocks, pooling keys
+        return 2 * (2 * self.patch_dim * d) * tokens + 3 * (
+            per_token * tokens + depth * 4 * d * squares + 2 * d * d * images
+        )
 
 
 def init_weights(module: nn.Module) -> None:

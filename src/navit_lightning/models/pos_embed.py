@@ -25,7 +25,9 @@ class FactorizedPosEmbed(nn.Module):
         """coords, token_grid: (R, L, 2) -> (R, L, dim)."""
         if self.fractional:
             coords = coords * self.max_grid // token_grid.clamp(min=1)
-        elif coords.numel() and int(coords.max()) >= self.max_grid:
+        # Checked in eager mode only: it costs a host sync, and a graph break under compile,
+        # where the configs' max_grid = data.max_patches bounds every side anyway.
+        elif not torch.compiler.is_compiling() and coords.numel() and int(coords.max()) >= self.max_grid:
             raise ValueError(
                 f"an image is {int(coords.max()) + 1} patches long but model.max_grid="
                 f"{self.max_grid}: raise model.max_grid or lower data.max_patches"

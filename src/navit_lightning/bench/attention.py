@@ -1,0 +1,272 @@
+"""Does packing pay? Train-step speed of each attention backend, against a padded ViT batch
+of the same images, as rows grow, and as a share of the machine's matmul rate.
+
+    python -m navit_lightning.bench.attention [--models navit_tiny navit_small]
+        [--backends sdpa flex varlen] [--tokens 4096] [--steps 5] [--no-compile]
+        [--json FILE] [--markdown FILE]
+
+One fixed, seeded workload of mixed-resolution images (4..16 patches a side, aspect up to
+2:1) is packed into `--tokens` tokens per step; every figure comes from this one run:
+  1. packed: real patches/s and images/s of a forward + backward + AdamW step, per backend,
+     with and without torch.compile;
+  2. padded: the same images resized to one square size with the same total patch count,
+     one image per row (what a fixed-resolution ViT would be fed), same network;
+  3. scaling: step time as the row length grows (256 .. 2048) at the same image mix;
+  4. the machine's matmul rate, probed here, and each step's achieved model-FLOP rate
+     (NaViT.train_flops: attention within images only) as a share of it;
+  5. peak memory per step (CUDA only: torch's CPU allocator keeps no peak).
+Backends that cannot train here (varlen without an sm80+ GPU; flex on CPU, which has no
+FlexAttention backward) are reported as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from navit_lightning import CONFIG_DIR
+from navit_lightning.data.packing import ImageSample, PackedBatch, PackedShape, first_fit_decreasing, pack
+from navit_lightning.models import NaViT
+from navit_lightning.models.attention import varlen_available
+
+ROW_LENGTHS = (256, 512, 1024, 2048)
+
+
+@dataclass
+class Result:
+    model: str
+    layout: str  # packed | padded | scaling
+    backend: str
+    compiled: bool
+    row_len: int
+    images: int
+    real_tokens: int
+    step_ms: float | None
+    patches_per_s: float | None = None
+    images_per_s: float | None = None
+    tflops: float | None = None
+    matmul_share: float | None = None
+    peak_mib: float | None = None
+    note: str = ""
+
+
+def workload(tokens: int, seed: int = 0) -> list[tuple[int, int]]:
+    """Image grids (h, w) in patches, drawn while they fill at most 94 % of `tokens` (room
+    for the packer, so that every layout holds all of them)."""
+    rng = random.Random(seed)
+    grids: list[tuple[int, int]] = []
+    while True:
+        side = rng.randint(4, 16)
+        other = max(4, min(16, round(side * 2 ** rng.uniform(-1, 1))))
+        grid = (side, other) if rng.random() < 0.5 else (other, side)
+        if sum(h * w for h, w in grids) + grid[0] * grid[1] > 0.94 * tokens:
+            return grids
+        grids.append(grid)
+
+
+def samples_for(grids: list[tuple[int, int]], patch_dim: int, seed: int = 0) -> list[ImageSample]:
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for i, (h, w) in enumerate(grids):
+        ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        pixels = torch.randint(0, 256, (h * w, patch_dim), generator=generator, dtype=torch.uint8)
+        samples.append(ImageSample(pixels, torch.stack([ys.flatten(), xs.flatten()], 1), (h, w), i % 10))
+    return samples
+
+
+def packed_batch(samples: list[ImageSample], tokens: int, row_len: int, patch_dim: int) -> PackedBatch:
+    shape = PackedShape(rows=tokens // row_len, row_len=row_len, max_images=64)
+    _, left_over = first_fit_decreasing([len(s.patches) for s in samples], shape)
+    if left_over:
+        raise ValueError(f"{len(left_over)} workload images do not fit {shape}: raise --tokens")
+    return pack(samples, shape, patch_dim)
+
+
+def padded_batch(samples: list[ImageSample], patch_dim: int) -> PackedBatch:
+    """The same images at one square size with the same total patch count, one per row."""
+    side = round(math.sqrt(sum(len(s.patches) for s in samples) / len(samples)))
+    square = samples_for([(side, side)] * len(samples), patch_dim, seed=1)
+    return pack(square, PackedShape(rows=len(square), row_len=side * side, max_images=1), patch_dim)
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of a large square matmul on this device, median of a few."""
+    n = 4096 if device.type == "cuda" else 1536
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    seconds = timed(lambda: a @ b, device, repeats=5)
+    return 2 * n**3 / seconds
+
+
+def timed(step: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of `step` after one warm-up call."""
+    step()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def build_net(model: str, backend: str, device: torch.device) -> NaViT:
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=[f"model={model}", f"model.net.attention={backend}"])
+    net_cfg = {k: v for k, v in cfg.model.net.items() if k != "_target_"}
+    net_cfg["max_grid"] = 64
+    torch.manual_seed(0)
+    return NaViT(**net_cfg).to(device)
+
+
+def measure(
+    model: str,
+    layout: str,
+    backend: str,
+    compiled: bool,
+    batch: PackedBatch,
+    device: torch.device,
+    steps: int,
+    peak_rate: float,
+    autocast: torch.dtype | None,
+) -> Result:
+    net = build_net(model, backend, device)
+    flops = float(net.train_flops(batch))
+    batch = PackedBatch(*(field.to(device) for field in batch))
+    forward = torch.compile(net) if compiled else net
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+            loss = forward(batch)[batch.image_slots].float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    images, tokens = batch.num_images, batch.num_real_tokens
+    common = dict(
+        model=model,
+        layout=layout,
+        backend=backend,
+        compiled=compiled,
+        row_len=batch.patches.shape[1],
+        images=images,
+        real_tokens=tokens,
+    )
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        seconds = timed(step, device, repeats=steps)
+    except Exception as error:  # a backend that cannot run here is reported, not fatal
+        return Result(
+            **common, step_ms=None, note=f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+        )
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    return Result(
+        **common,
+        step_ms=1000 * seconds,
+        patches_per_s=tokens / seconds,
+        images_per_s=images / seconds,
+        tflops=flops / seconds / 1e12,
+        matmul_share=flops / seconds / peak_rate,
+        peak_mib=peak,
+    )
+
+
+TABLE_HEAD = (
+    "| model | layout | backend | compiled | row len | images | step ms | patches/s | images/s "
+    "| TFLOP/s | of matmul | peak MiB | note |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def markdown_row(r: Result) -> str:
+    def fmt(value: float | None, spec: str) -> str:
+        return "" if value is None else format(value, spec)
+
+    return (
+        f"| {r.model} | {r.layout} | {r.backend} | {'yes' if r.compiled else 'no'} | {r.row_len} "
+        f"| {r.images} | {fmt(r.step_ms, '.1f')} | {fmt(r.patches_per_s, ',.0f')} "
+        f"| {fmt(r.images_per_s, ',.1f')} | {fmt(r.tflops, '.3f')} | {fmt(r.matmul_share, '.0%')} "
+        f"| {fmt(r.peak_mib, ',.0f')} | {r.note} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--models", nargs="+", default=["navit_tiny", "navit_small"])
+    parser.add_argument("--backends", nargs="+", default=["sdpa", "flex", "varlen"])
+    parser.add_argument("--tokens", type=int, default=4096, help="real-token budget of every step")
+    parser.add_argument("--row-len", type=int, default=512, help="row length of the packed runs")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per figure (median)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile runs")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
+    parser.add_argument("--json")
+    parser.add_argument("--markdown")
+    args = parser.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    autocast = torch.bfloat16 if args.bf16 else None
+    peak_rate = matmul_rate(device, autocast or torch.float32)
+    usable = [
+        b
+        for b in args.backends
+        if (b != "varlen" or varlen_available(device)) and (b != "flex" or device.type == "cuda")
+    ]
+    skipped = sorted(set(args.backends) - set(usable))
+    grids = workload(args.tokens)
+    machine = (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU x{torch.get_num_threads()}"
+    )
+    header = (
+        f"{time.strftime('%Y-%m-%d')}, {machine}, torch {torch.__version__}; matmul probe "
+        f"{peak_rate / 1e12:.3f} TFLOP/s ({autocast or torch.float32}); {len(grids)} images, "
+        f"{sum(h * w for h, w in grids)} patches a step"
+        + (f"; skipped here: {', '.join(skipped)}" if skipped else "")
+    )
+    print(header, "", TABLE_HEAD, sep="\n", flush=True)
+    results: list[Result] = []
+
+    def record(*measure_args: object) -> None:
+        results.append(measure(*measure_args, device, args.steps, peak_rate, autocast))
+        print(markdown_row(results[-1]), flush=True)
+
+    for model in args.models:
+        patch_dim = build_net(model, "sdpa", torch.device("cpu")).patch_dim
+        samples = samples_for(grids, patch_dim)
+        packed = packed_batch(samples, args.tokens, args.row_len, patch_dim)
+        for backend in usable:
+            for compiled in (False,) if args.no_compile else (False, True):
+                record(model, "packed", backend, compiled, packed)
+        record(model, "padded", "sdpa", False, padded_batch(samples, patch_dim))
+        for row_len in ROW_LENGTHS:
+            batch = packed_batch(samples, max(args.tokens, row_len), row_len, patch_dim)
+            for backend in usable:
+                record(model, "scaling", backend, False, batch)
+    table = "\n".join([header, "", TABLE_HEAD, *map(markdown_row, results)])
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"header": header, "matmul_flops": peak_rate, "results": [asdict(r) for r in results]},
+                f,
+                indent=2,
+            )
+
+
+if __name__ == "__main__":
+    main()

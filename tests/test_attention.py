@@ -1,0 +1,88 @@
+"""Every attention backend gives the reference's (masked SDPA) outputs and gradients."""
+
+import pytest
+import torch
+
+from navit_lightning.data.packing import PackedBatch, PackedShape, pack
+from navit_lightning.models import NaViT
+from navit_lightning.models.attention import varlen_available
+from tests.test_packing import PATCH_DIM, make_sample
+
+GRIDS = [(3, 5), (2, 2), (6, 4), (1, 7), (4, 4), (5, 1), (2, 6), (3, 3), (7, 2)]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def cases():
+    for device in DEVICES:
+        for backend in ("flex", "varlen"):
+            if backend == "varlen" and not varlen_available(torch.device(device)):
+                continue
+            for dtype in (torch.float32, torch.bfloat16) if device == "cuda" else (torch.float32,):
+                yield pytest.param(device, backend, dtype, id=f"{device}-{backend}-{str(dtype)[6:]}")
+
+
+def features_and_grads(backend: str, batch: PackedBatch, device: str, dtype: torch.dtype, grads: bool):
+    torch.manual_seed(0)
+    net = NaViT(patch_size=4, dim=64, depth=2, heads=4, max_grid=8, attention=backend).to(device)
+    batch = PackedBatch(*(field.to(device) for field in batch))
+    with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32), torch.set_grad_enabled(grads):
+        features = net(batch)[batch.image_slots]
+    if grads:
+        features.float().pow(2).sum().backward()
+    return features.float(), {name: p.grad.float() for name, p in net.named_parameters() if grads}
+
+
+@pytest.mark.parametrize(("device", "backend", "dtype"), list(cases()))
+def test_backend_matches_masked_sdpa(device, backend, dtype):
+    samples = [make_sample(h, w, label=i, seed=i) for i, (h, w) in enumerate(GRIDS)]
+    # Rows several images long, some padding at their ends.
+    batch = pack(samples, PackedShape(rows=2, row_len=80, max_images=6), PATCH_DIM)
+    with_grads = not (backend == "flex" and device == "cpu")  # FlexAttention has no CPU backward
+    expected, expected_grads = features_and_grads("sdpa", batch, device, dtype, with_grads)
+    features, grads = features_and_grads(backend, batch, device, dtype, with_grads)
+    tolerance = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(features, expected, **tolerance)
+    for name, grad in expected_grads.items():
+        scale = grad.abs().max().clamp(min=1e-6)
+        torch.testing.assert_close(grads[name] / scale, grad / scale, **tolerance, msg=name)
+
+
+def test_an_unknown_backend_is_refused_at_construction():
+    with pytest.raises(ValueError, match=r"model\.net\.attention='dense' is unknown"):
+        NaViT(attention="dense")
+
+
+def test_train_flops_match_torchs_flop_counter_where_dense_attention_is_all_real():
+    """One image per row, no padding: the dense masked path computes exactly the in-image
+    attention, so torch's counter (SDPA decomposed into bmm) must agree with train_flops;
+    packing the same images together changes the dense work but not the model FLOPs."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    net = NaViT(patch_size=4, dim=64, depth=2, heads=4, max_grid=8, attention="sdpa")
+    samples = [make_sample(4, 4, label=i, seed=i) for i in range(3)]
+    alone = pack(samples, PackedShape(rows=3, row_len=16, max_images=1), PATCH_DIM)
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        net(alone).sum().backward()
+    assert counter.get_total_flops() == int(net.train_flops(alone))
+    packed = pack(samples, PackedShape(rows=1, row_len=64, max_images=4), PATCH_DIM)
+    assert int(net.train_flops(packed)) == int(net.train_flops(alone))
+
+
+@pytest.mark.slow
+def test_compiled_network_compiles_once_without_graph_breaks():
+    """Static batch shapes: one graph for every image mix, no recompiles, no break per image."""
+    import random
+
+    from torch._dynamo.utils import counters
+
+    net = NaViT(patch_size=4, dim=32, depth=2, heads=4, max_grid=8, attention="sdpa")
+    net.compile()
+    counters.clear()
+    for seed in range(4):
+        rng = random.Random(seed)
+        grids = [(rng.randint(1, 6), rng.randint(1, 6)) for _ in range(rng.randint(3, 8))]
+        samples = [make_sample(h, w, label=i, seed=10 * seed + i) for i, (h, w) in enumerate(grids)]
+        net(pack(samples, PackedShape(rows=3, row_len=48, max_images=6), PATCH_DIM)).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"] and not counters["recompiles"]
