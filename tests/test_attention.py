@@ -14,7 +14,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 def cases():
     for device in DEVICES:
-        for backend in ("flex", "varlen"):
+        for backend in ("segments", "flex", "varlen"):
             if backend == "varlen" and not varlen_available(torch.device(device)):
                 continue
             for dtype in (torch.float32, torch.bfloat16) if device == "cuda" else (torch.float32,):
@@ -86,3 +86,19 @@ def test_compiled_network_compiles_once_without_graph_breaks():
         net(pack(samples, PackedShape(rows=3, row_len=48, max_images=6), PATCH_DIM)).sum().backward()
     assert counters["stats"]["unique_graphs"] == 1
     assert not counters["graph_break"] and not counters["recompiles"]
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "row_len", "expected"),
+    [
+        ("cpu", torch.float32, 144, "sdpa"),
+        ("cpu", torch.bfloat16, 2048, "segments"),
+        ("cuda", torch.bfloat16, 1024, "varlen"),
+        ("cuda", torch.float32, 1024, "flex"),
+    ],
+)
+def test_auto_picks_a_backend_that_trains_on_the_device(monkeypatch, device, dtype, row_len, expected):
+    from navit_lightning.models import attention
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert attention.make_backend("auto", torch.device(device), dtype, row_len).name == expected

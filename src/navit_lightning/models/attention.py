@@ -7,6 +7,10 @@ segment offsets) that every layer shares, then attends with it:
   reference; it computes all L^2 scores of a row and masks most of them away.
 - flex: FlexAttention with a document block mask: blocks outside every image are skipped.
   Compiled (CPU and CUDA); its first step compiles for a while.
+- segments: each image's tokens gathered into a batch of images of similar length (buckets
+  of 16 tokens), SDPA per bucket with a key-padding mask, outputs scattered back: a row
+  costs about the sum of its images' n_i^2, on any device, with gradients. Its plan reads
+  the image lengths on the host (one sync per batch) and its shapes change per batch.
 - varlen: flash attention over variable-length segments (CUDA): each image is a sequence
   of its own, so a row costs the sum of its images' n_i^2. A row's padding is one more short
   segment, whose outputs are never used.
@@ -17,12 +21,14 @@ FlexAttention has no backward on CPU (torch 2.13): there, flex serves evaluation
 from __future__ import annotations
 
 from functools import cache
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
+
+from navit_lightning.data.packing import PAD_ID
 
 
 def document_mask(image_ids: torch.Tensor) -> torch.Tensor:
@@ -41,7 +47,8 @@ class Backend(Protocol):
         """What every layer needs to attend within images, built once per batch."""
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any) -> torch.Tensor:
-        """q, k, v: (R, H, L, D) -> (R, H, L, D)."""
+        """q, k, v: (R, L, H, D), as the qkv projection lays them out (views, no copy)
+        -> (R, L, H, D)."""
 
 
 class SdpaBackend:
@@ -51,7 +58,8 @@ class SdpaBackend:
         return document_mask(image_ids)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=plan)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (R, H, L, D) views
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=plan).transpose(1, 2)
 
 
 @cache
@@ -79,7 +87,63 @@ class FlexBackend:
         )
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any) -> torch.Tensor:
-        return _compiled_flex_attention()(q, k, v, block_mask=plan)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (R, H, L, D) views
+        return _compiled_flex_attention()(q, k, v, block_mask=plan).transpose(1, 2)
+
+
+class SegmentPlan(NamedTuple):
+    order: torch.Tensor  # (P,) flat token positions, bucket by bucket, image by image; an
+    # image's slots beyond its length repeat its first token
+    own: torch.Tensor  # (P,) True where the position is the image's own token
+    buckets: list[tuple[int, int]]  # (images, length) of each bucket, in order
+    keys: list[torch.Tensor]  # per bucket (images, 1, 1, length): the key-padding mask
+
+
+class SegmentsBackend:
+    name = "segments"
+    bucket_step = 16
+
+    def plan(self, image_ids: torch.Tensor) -> SegmentPlan:
+        rows, length = image_ids.shape
+        device = image_ids.device
+        slots = int(image_ids.max().clamp(min=0)) + 1
+        row = torch.arange(rows, device=device)[:, None]
+        real = image_ids != PAD_ID
+        lengths = torch.bincount((row * slots + image_ids)[real], minlength=rows * slots).view(rows, slots)
+        # Images lie in slot order from each row's start (see data.packing.pack).
+        starts = (lengths.cumsum(1) - lengths + row * length).flatten()
+        lengths = lengths.flatten()
+        host_lengths = lengths.tolist()  # the one host sync
+        order, own, buckets, keys = [], [], [], []
+        for bucket in sorted({-(-n // self.bucket_step) * self.bucket_step for n in host_lengths if n}):
+            members = torch.tensor(
+                [i for i, n in enumerate(host_lengths) if bucket - self.bucket_step < n <= bucket],
+                device=device,
+            )
+            offsets = torch.arange(bucket, device=device)
+            inside = offsets < lengths[members, None]  # (S, bucket)
+            order.append((starts[members, None] + torch.where(inside, offsets, 0)).flatten())
+            own.append(inside.flatten())
+            buckets.append((len(members), bucket))
+            keys.append(inside[:, None, None, :])
+        return SegmentPlan(torch.cat(order), torch.cat(own), buckets, keys)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
+        rows = q.shape[0]
+        q, k, v = (t.flatten(0, 1) for t in (q, k, v))  # (R*L, H, D), views where strides allow
+        gathered = [t[plan.order] for t in (q, k, v)]  # (P, H, D) each, one gather per tensor
+        outputs, offset = [], 0
+        for (images, bucket), keys in zip(plan.buckets, plan.keys, strict=True):
+            size = images * bucket
+            qb, kb, vb = (
+                rearrange(t[offset : offset + size], "(s l) h d -> s h l d", l=bucket) for t in gathered
+            )
+            attended = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=keys)
+            outputs.append(rearrange(attended, "s h l d -> (s l) h d"))
+            offset += size
+        # Padding tokens get zeros: never pooled.
+        out = torch.zeros_like(v).index_put((plan.order[plan.own],), torch.cat(outputs)[plan.own])
+        return out.unflatten(0, (rows, -1))
 
 
 class VarlenBackend:
@@ -111,13 +175,14 @@ class VarlenBackend:
                 "model.net.attention=varlen needs bf16 or fp16: use trainer.precision=bf16-mixed, "
                 "or model.net.attention=flex for float32"
             )
-        q, k, v = (rearrange(t.to(dtype), "r h l d -> (r l) h d") for t in (q, k, v))
+        q, k, v = (t.to(dtype).flatten(0, 1).contiguous() for t in (q, k, v))
         out = varlen_attn(q, k, v, offsets, offsets, max_len, max_len)
-        return rearrange(out, "(r l) h d -> r h l d", r=rows)
+        return out.unflatten(0, (rows, -1))
 
 
 BACKENDS: dict[str, type] = {
     "sdpa": SdpaBackend,
+    "segments": SegmentsBackend,
     "flex": FlexBackend,
     "varlen": VarlenBackend,
 }
@@ -144,12 +209,17 @@ def check_backend_name(name: str) -> str:
     return name
 
 
-def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> Backend:
-    """`auto`: on CUDA varlen in bf16/fp16 (flash needs them) and flex in float32; on CPU the
-    dense sdpa."""
+# On CPU, measured (docs/benchmarks.md): dense sdpa is faster for short rows, segments from
+# 1024 tokens a row on (and flat as rows grow).
+CPU_SEGMENTS_FROM_ROW_LEN = 1024
+
+
+def make_backend(name: str, device: torch.device, dtype: torch.dtype, row_len: int) -> Backend:
+    """`auto`: on CUDA varlen in bf16/fp16 (flash needs them) and flex in float32; on CPU
+    sdpa for short rows and segments for long ones."""
     if name == "auto":
         if device.type != "cuda":
-            name = "sdpa"
+            name = "segments" if row_len >= CPU_SEGMENTS_FROM_ROW_LEN else "sdpa"
         elif dtype in HALF_DTYPES and varlen_available(device):
             name = "varlen"
         else:
@@ -172,6 +242,6 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, backend: Backend, plan: Any) -> torch.Tensor:
-        q, k, v = rearrange(self.qkv(x), "r l (three h d) -> three r h l d", three=3, h=self.heads)
+        q, k, v = rearrange(self.qkv(x), "r l (three h d) -> three r l h d", three=3, h=self.heads)
         out = backend(self.q_norm(q), self.k_norm(k), v, plan)
-        return self.proj(rearrange(out, "r h l d -> r l (h d)"))
+        return self.proj(rearrange(out, "r l h d -> r l (h d)"))

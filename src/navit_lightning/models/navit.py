@@ -117,7 +117,7 @@ class NaViT(nn.Module):
         slot = batch.image_ids.clamp(min=0)
         token_grid = torch.gather(batch.grid, 1, slot[..., None].expand(-1, -1, 2))
         x = self.patch_embed(batch.patches) + self.pos_embed(batch.coords, token_grid)
-        backend = make_backend(self.attention, x.device, compute_dtype(x.device, x.dtype))
+        backend = make_backend(self.attention, x.device, compute_dtype(x.device, x.dtype), x.shape[1])
         plan = backend.plan(batch.image_ids)  # once per batch, shared by every layer
         for block in self.blocks:
             x = block(x, backend, plan)
