@@ -102,3 +102,13 @@ def test_auto_picks_a_backend_that_trains_on_the_device(monkeypatch, device, dty
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert attention.make_backend("auto", torch.device(device), dtype, row_len).name == expected
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "segments"])
+def test_an_all_padding_batch_gives_finite_features_and_gradients(backend):
+    net = NaViT(patch_size=4, dim=32, depth=1, heads=2, max_grid=8, attention=backend)
+    empty = pack([], PackedShape(rows=2, row_len=16, max_images=2), PATCH_DIM)
+    features = net(empty)
+    features.sum().backward()
+    assert torch.isfinite(features).all()
+    assert all(torch.isfinite(p.grad).all() for p in net.parameters() if p.grad is not None)

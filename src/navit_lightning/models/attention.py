@@ -94,7 +94,7 @@ class FlexBackend:
 class SegmentPlan(NamedTuple):
     order: torch.Tensor  # (P,) flat token positions, bucket by bucket, image by image; an
     # image's slots beyond its length repeat its first token
-    own: torch.Tensor  # (P,) True where the position is the image's own token
+    back: torch.Tensor  # (R*L,) each token's place in that order; padding tokens -> P (zeros)
     buckets: list[tuple[int, int]]  # (images, length) of each bucket, in order
     keys: list[torch.Tensor]  # per bucket (images, 1, 1, length): the key-padding mask
 
@@ -106,7 +106,7 @@ class SegmentsBackend:
     def plan(self, image_ids: torch.Tensor) -> SegmentPlan:
         rows, length = image_ids.shape
         device = image_ids.device
-        slots = int(image_ids.max().clamp(min=0)) + 1
+        slots = length  # a bound on the images a row holds, known without a host sync
         row = torch.arange(rows, device=device)[:, None]
         real = image_ids != PAD_ID
         lengths = torch.bincount((row * slots + image_ids)[real], minlength=rows * slots).view(rows, slots)
@@ -126,12 +126,17 @@ class SegmentsBackend:
             own.append(inside.flatten())
             buckets.append((len(members), bucket))
             keys.append(inside[:, None, None, :])
-        return SegmentPlan(torch.cat(order), torch.cat(own), buckets, keys)
+        if not order:  # an all-padding filler batch
+            order, own = [starts.new_zeros(0)], [lengths.new_zeros(0, dtype=torch.bool)]
+        order_all, own_all = torch.cat(order), torch.cat(own)
+        back = torch.full((rows * length,), len(order_all), device=device)
+        back[order_all[own_all]] = torch.arange(len(order_all), device=device)[own_all]
+        return SegmentPlan(order_all, back, buckets, keys)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
         rows = q.shape[0]
         q, k, v = (t.flatten(0, 1) for t in (q, k, v))  # (R*L, H, D), views where strides allow
-        gathered = [t[plan.order] for t in (q, k, v)]  # (P, H, D) each, one gather per tensor
+        gathered = [t.index_select(0, plan.order) for t in (q, k, v)]  # (P, H, D), one gather each
         outputs, offset = [], 0
         for (images, bucket), keys in zip(plan.buckets, plan.keys, strict=True):
             size = images * bucket
@@ -141,9 +146,9 @@ class SegmentsBackend:
             attended = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=keys)
             outputs.append(rearrange(attended, "s h l d -> (s l) h d"))
             offset += size
-        # Padding tokens get zeros: never pooled.
-        out = torch.zeros_like(v).index_put((plan.order[plan.own],), torch.cat(outputs)[plan.own])
-        return out.unflatten(0, (rows, -1))
+        # Back to the token order; padding tokens read the appended zero row (never pooled).
+        outputs.append(v.new_zeros(1, *v.shape[1:]))
+        return torch.cat(outputs).index_select(0, plan.back).unflatten(0, (rows, -1))
 
 
 class VarlenBackend:
