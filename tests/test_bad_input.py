@@ -10,10 +10,11 @@ import pytest
 from PIL import Image
 
 from navit_lightning.data.datamodule import PackedImageDataModule
-from navit_lightning.data.folder import DataError, ImageFolder, list_images
+from navit_lightning.data.folder import ImageFolder, list_images
 from navit_lightning.data.packing import PackCollate, PackedShape
 from navit_lightning.data.sampler import SizePolicy
 from navit_lightning.data.transforms import image_to_sample, to_rgb, upright_size
+from navit_lightning.errors import DataError
 from tests.conftest import TINY_TRAINING
 
 EXIF_ORIENTATION = 0x0112

@@ -82,3 +82,20 @@ def test_a_sweep_job_leaves_no_distributed_state_for_the_next(monkeypatch):
     )
     isolate.on_job_end(None, None)
     assert "LOCAL_RANK" not in os.environ and not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize(("procid", "keeps_file"), [("0", True), ("1", False)])
+def test_only_rank_zero_of_a_slurm_launch_keeps_the_log_file(monkeypatch, tmp_path, procid, keeps_file):
+    import logging
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_PROCID", procid)
+    root = logging.getLogger()
+    handler = logging.FileHandler(tmp_path / "train.log", delay=True)
+    root.addHandler(handler)
+    try:
+        launch.RankZeroLogFile().on_job_start(None)
+        assert (handler in root.handlers) == keeps_file
+    finally:
+        root.removeHandler(handler)

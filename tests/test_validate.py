@@ -5,7 +5,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from navit_lightning import CONFIG_DIR
-from navit_lightning.utils.validate import ConfigError, check_launch
+from navit_lightning.errors import ConfigError
+from navit_lightning.utils.validate import check_launch
 
 
 def config(*overrides: str):
@@ -69,6 +70,8 @@ def test_allowed(monkeypatch, gpus, overrides):
         (["trainer.sync_batchnorm=true", "model.head=bn_mlp"], "sync_batchnorm=true needs CUDA GPUs"),
         (["trainer.strategy=foo"], "trainer.strategy=foo is unknown"),
         (["data.max_patches=200"], "data.max_patches=200 exceeds data.row_len=144"),
+        (["model.head=mlp"], "model.head='mlp' is unknown: use one of ['bn_mlp', 'linear']"),
+        (["model.net.attention=dense"], "model.net.attention='dense' is unknown"),
     ],
 )
 def test_refusal_is_one_line_and_exit_code_2(run_entry_point, overrides, message):

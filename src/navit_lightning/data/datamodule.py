@@ -12,9 +12,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from navit_lightning.data import shapes
-from navit_lightning.data.folder import DataError, ImageFolder, check_class_folders, find_classes, list_images
+from navit_lightning.data.folder import ImageFolder, check_class_folders, find_classes, list_images
 from navit_lightning.data.packing import PackCollate, PackedShape
 from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
+from navit_lightning.errors import DataError
 from navit_lightning.strategies import devices_per_process
 
 

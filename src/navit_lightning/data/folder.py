@@ -14,16 +14,13 @@ from torch.utils.data import Dataset
 from navit_lightning.data.packing import ImageSample
 from navit_lightning.data.sampler import SampleKey
 from navit_lightning.data.transforms import drop_tokens, image_to_sample, upright_size
+from navit_lightning.errors import DataError
 
 log = logging.getLogger(__name__)
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
 # What Pillow raises for a file that is not an image, or not a whole one.
 UNREADABLE = (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError)
-
-
-class DataError(ValueError):
-    """The data cannot be used as configured; the message says what to change."""
 
 
 def find_classes(root: Path) -> list[str]:

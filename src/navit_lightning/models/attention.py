@@ -29,6 +29,7 @@ from einops import rearrange
 from torch import nn
 
 from navit_lightning.data.packing import PAD_ID
+from navit_lightning.errors import ConfigError
 
 
 def document_mask(image_ids: torch.Tensor) -> torch.Tensor:
@@ -176,7 +177,7 @@ class VarlenBackend:
         # Autocast leaves the op's inputs as they come (q, k out of LayerNorm in float32).
         dtype = compute_dtype(q.device, q.dtype)
         if dtype not in HALF_DTYPES:
-            raise ValueError(
+            raise ConfigError(
                 "model.net.attention=varlen needs bf16 or fp16: use trainer.precision=bf16-mixed, "
                 "or model.net.attention=flex for float32"
             )
@@ -210,7 +211,7 @@ def varlen_available(device: torch.device) -> bool:
 
 def check_backend_name(name: str) -> str:
     if name != "auto" and name not in BACKENDS:
-        raise ValueError(f"model.net.attention={name!r} is unknown: use auto or one of {sorted(BACKENDS)}")
+        raise ConfigError(f"model.net.attention={name!r} is unknown: use auto or one of {sorted(BACKENDS)}")
     return name
 
 
@@ -238,7 +239,7 @@ class Attention(nn.Module):
     def __init__(self, dim: int, heads: int, qk_norm: bool = True) -> None:
         super().__init__()
         if dim % heads:
-            raise ValueError(f"model.dim={dim} must be divisible by model.heads={heads}")
+            raise ConfigError(f"model.net.dim={dim} must be divisible by model.net.heads={heads}")
         self.heads = heads
         head_dim = dim // heads
         self.qkv = nn.Linear(dim, 3 * dim)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from navit_lightning.errors import ConfigError
 from navit_lightning.models.navit import init_weights
 
 
@@ -22,7 +23,7 @@ HEADS = {"linear": linear_head, "bn_mlp": bn_mlp_head}
 
 def build_head(kind: str, dim: int, num_classes: int) -> nn.Module:
     if kind not in HEADS:
-        raise ValueError(f"model.head={kind!r} is unknown: use one of {sorted(HEADS)}")
+        raise ConfigError(f"model.head={kind!r} is unknown: use one of {sorted(HEADS)}")
     head = HEADS[kind](dim, num_classes)
     head.apply(init_weights)
     return head

@@ -10,6 +10,7 @@ from einops import rearrange
 from torch import nn
 
 from navit_lightning.data.packing import PackedBatch
+from navit_lightning.errors import ConfigError
 from navit_lightning.models.attention import (
     Attention,
     Backend,
@@ -107,7 +108,7 @@ class NaViT(nn.Module):
         self.norm = nn.LayerNorm(dim)
         pools = {"attention": lambda: AttentionPool(dim, heads), "mean": MeanPool}
         if pool not in pools:
-            raise ValueError(f"model.pool={pool!r} is unknown: use one of {sorted(pools)}")
+            raise ConfigError(f"model.pool={pool!r} is unknown: use one of {sorted(pools)}")
         self.pool = pools[pool]()
         self.apply(init_weights)
 

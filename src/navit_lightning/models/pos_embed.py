@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from navit_lightning.errors import ConfigError
+
 
 class FactorizedPosEmbed(nn.Module):
     """Embeds each token's (y, x) patch coordinate.
@@ -28,7 +30,7 @@ class FactorizedPosEmbed(nn.Module):
         # Checked in eager mode only: it costs a host sync, and a graph break under compile,
         # where the configs' max_grid = data.max_patches bounds every side anyway.
         elif not torch.compiler.is_compiling() and coords.numel() and int(coords.max()) >= self.max_grid:
-            raise ValueError(
+            raise ConfigError(
                 f"an image is {int(coords.max()) + 1} patches long but model.max_grid="
                 f"{self.max_grid}: raise model.max_grid or lower data.max_patches"
             )

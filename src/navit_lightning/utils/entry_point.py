@@ -11,9 +11,8 @@ from hydra.errors import InstantiationException
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
-from navit_lightning.data.folder import DataError
+from navit_lightning.errors import ConfigError, DataError
 from navit_lightning.utils.launch import quiet_rank_overrides, run_stamp
-from navit_lightning.utils.validate import ConfigError
 
 # configs/hydra/default.yaml names run folders with it
 OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)

@@ -8,6 +8,7 @@ on its own: without this, each would name a folder by its own clock and append t
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import datetime, timedelta
 from typing import Any
@@ -82,3 +83,17 @@ class IsolateJobs(Callback):
             torch.distributed.destroy_process_group()
         os.environ.clear()
         os.environ.update(self._environ)
+
+
+class RankZeroLogFile(Callback):
+    """Hydra callback: a process other than rank 0 of a torchrun/SLURM launch stops writing
+    the job's log file. The command line does this for processes Hydra starts from it (see
+    QUIET_RANK_OVERRIDES); submitit's tasks run the job without one."""
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if not external_launch_rank():
+            return
+        root = logging.getLogger()
+        for handler in [h for h in root.handlers if isinstance(h, logging.FileHandler)]:
+            root.removeHandler(handler)
+            handler.close()

@@ -10,16 +10,13 @@ from lightning.pytorch.strategies import StrategyRegistry
 from omegaconf import DictConfig
 
 from navit_lightning import CONFIG_DIR
+from navit_lightning.errors import ConfigError
 
 GPU_ACCELERATORS = {"gpu", "cuda"}
 # Lightning turns 16-mixed into bf16-mixed on CPU with only a warning.
 GPU_ONLY_PRECISIONS = {"16-mixed", "16"}
 DP_TARGET = "navit_lightning.strategies.PackedDataParallelStrategy"
 STRATEGY_OPTIONS = sorted(path.stem for path in (Path(CONFIG_DIR) / "strategy").glob("*.yaml"))
-
-
-class ConfigError(ValueError):
-    """The config asks for something this machine cannot do; the message says what to use."""
 
 
 def check_launch(cfg: DictConfig) -> None:
