@@ -77,8 +77,10 @@ class NaViTClassifier(L.LightningModule):
             )
         return loss
 
-    def on_train_batch_start(self, batch: PackedBatch, batch_idx: int) -> None:
-        self.flops_per_batch = int(self.net.train_flops(batch))
+    def on_before_batch_transfer(self, batch: PackedBatch, dataloader_idx: int) -> PackedBatch:
+        if self.trainer.training:  # counted on the host, before the copy: no device sync
+            self.flops_per_batch = int(self.net.train_flops(batch))
+        return batch
 
     def training_step(self, batch: PackedBatch, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")
