@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from navit_lightning.data.packing import PAD_ID
 from navit_lightning.errors import ConfigError
+from navit_lightning.models.pooling import image_lengths
 
 
 def document_mask(image_ids: torch.Tensor) -> torch.Tensor:
@@ -107,10 +107,9 @@ class SegmentsBackend:
     def plan(self, image_ids: torch.Tensor) -> SegmentPlan:
         rows, length = image_ids.shape
         device = image_ids.device
-        slots = length  # a bound on the images a row holds, known without a host sync
+        # A row holds at most `length` images: a slot bound known without a host sync.
+        lengths = image_lengths(image_ids, length)
         row = torch.arange(rows, device=device)[:, None]
-        real = image_ids != PAD_ID
-        lengths = torch.bincount((row * slots + image_ids)[real], minlength=rows * slots).view(rows, slots)
         # Images lie in slot order from each row's start (see data.packing.pack).
         starts = (lengths.cumsum(1) - lengths + row * length).flatten()
         lengths = lengths.flatten()

@@ -18,7 +18,7 @@ from navit_lightning.models.attention import (
     compute_dtype,
     make_backend,
 )
-from navit_lightning.models.pooling import AttentionPool, MeanPool
+from navit_lightning.models.pooling import AttentionPool, MeanPool, image_lengths
 from navit_lightning.models.pos_embed import FactorizedPosEmbed
 
 
@@ -129,7 +129,8 @@ class NaViT(nn.Module):
         (backward twice the forward, but no input gradient for the pixels), attention counted
         within images only (4 n^2 dim per image and layer, whatever the backend computes).
         Norms, softmax and activations are left out, as torch's FLOP counter does."""
-        tokens_per_image = (batch.grid[..., 0] * batch.grid[..., 1]).float()  # (R, K), 0 if empty
+        # The tokens each image keeps (fewer than its grid when tokens were dropped): (R, K).
+        tokens_per_image = image_lengths(batch.image_ids, batch.grid.shape[1]).float()
         tokens, squares = tokens_per_image.sum(), tokens_per_image.pow(2).sum()
         images = (tokens_per_image > 0).sum()
         d, depth = self.num_features, len(self.blocks)

@@ -21,6 +21,13 @@ def segment_ids(image_ids: torch.Tensor, max_images: int) -> torch.Tensor:
     return flat.flatten()
 
 
+def image_lengths(image_ids: torch.Tensor, max_images: int) -> torch.Tensor:
+    """(R, L) slot ids -> (R, max_images) tokens each slot holds (0 for an empty slot)."""
+    rows = image_ids.shape[0]
+    counts = torch.bincount(segment_ids(image_ids, max_images), minlength=rows * max_images + 1)
+    return counts[:-1].view(rows, max_images)
+
+
 def segment_sum(values: torch.Tensor, segments: torch.Tensor, num_segments: int) -> torch.Tensor:
     """(N, ...) values summed into (num_segments, ...) by segment id."""
     out = values.new_zeros((num_segments, *values.shape[1:]))
