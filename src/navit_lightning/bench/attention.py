@@ -10,7 +10,8 @@ One fixed, seeded workload of mixed-resolution images (4..16 patches a side, asp
   1. packed: real patches/s and images/s of a forward + backward + AdamW step, per backend,
      with and without torch.compile;
   2. padded: the same images resized to one square size with the same total patch count,
-     one image per row (what a fixed-resolution ViT would be fed), same network;
+     one image per row (what a fixed-resolution ViT would be fed), same network, with and
+     without torch.compile;
   3. scaling: step time as the row length grows (256 .. 2048) at the same image mix;
   4. the machine's matmul rate, probed here, and each step's achieved model-FLOP rate
      (NaViT.train_flops: attention within images only) as a share of it;
@@ -247,10 +248,13 @@ def main() -> None:
         patch_dim = build_net(model, "sdpa", torch.device("cpu")).patch_dim
         samples = samples_for(grids, patch_dim)
         packed = packed_batch(samples, args.tokens, args.row_len, patch_dim)
+        compile_modes = (False,) if args.no_compile else (False, True)
         for backend in usable:
-            for compiled in (False,) if args.no_compile else (False, True):
+            for compiled in compile_modes:
                 record(model, "packed", backend, compiled, packed)
-        record(model, "padded", "sdpa", False, padded_batch(samples, patch_dim))
+        padded = padded_batch(samples, patch_dim)
+        for compiled in compile_modes:
+            record(model, "padded", "sdpa", compiled, padded)
         for row_len in ROW_LENGTHS:
             batch = packed_batch(samples, max(args.tokens, row_len), row_len, patch_dim)
             for backend in usable:

@@ -1,16 +1,20 @@
 """Self-attention restricted to each image of a packed row, behind interchangeable backends.
 
 A backend turns the batch's image ids into a plan once per batch (a mask, a block mask,
-segment offsets) that every layer shares, then attends with it:
+segment offsets) that every layer shares, lays the tokens out for it (the packed rows
+themselves, or image groups), then attends with it:
 
 - sdpa: scaled_dot_product_attention with a dense (R, 1, L, L) document mask: the portable
   reference; it computes all L^2 scores of a row and masks most of them away.
 - flex: FlexAttention with a document block mask: blocks outside every image are skipped.
   Compiled (CPU and CUDA); its first step compiles for a while.
-- segments: each image's tokens gathered into a batch of images of similar length (buckets
-  of 16 tokens), SDPA per bucket with a key-padding mask, outputs scattered back: a row
-  costs about the sum of its images' n_i^2, on any device, with gradients. Its plan reads
-  the image lengths on the host (one sync per batch) and its shapes change per batch.
+- segments: the network runs on the images rather than the rows: the backend lays each
+  image's tokens out once per batch, grouped with images of about its length (rounded up to
+  4 tokens), and every layer attends per group with SDPA (a key-padding mask where lengths
+  differ): no gather per layer, no rows' padding in any layer, a batch costs about the sum
+  of its images' n_i^2. Any device, with gradients. Its plan reads the image lengths on the
+  host (one sync per batch); under torch.compile it stays eager and the layers around it
+  compile with a dynamic length.
 - varlen: flash attention over variable-length segments (CUDA): each image is a sequence
   of its own, so a row costs the sum of its images' n_i^2. A row's padding is one more short
   segment, whose outputs are never used.
@@ -47,12 +51,23 @@ class Backend(Protocol):
     def plan(self, image_ids: torch.Tensor) -> Any:
         """What every layer needs to attend within images, built once per batch."""
 
+    def arrange(self, tokens: torch.Tensor, plan: Any, fill: int = 0) -> torch.Tensor:
+        """(R, L, ...) per-token inputs -> the token layout this backend attends in; slots
+        of that layout that hold no token get `fill`."""
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Any) -> torch.Tensor:
-        """q, k, v: (R, L, H, D), as the qkv projection lays them out (views, no copy)
-        -> (R, L, H, D)."""
+        """q, k, v: (*layout, H, D), as the qkv projection lays them out (views, no copy)
+        -> (*layout, H, D)."""
 
 
-class SdpaBackend:
+class RowLayout:
+    """Attends in the packed rows themselves: (R, L, ...)."""
+
+    def arrange(self, tokens: torch.Tensor, plan: Any, fill: int = 0) -> torch.Tensor:
+        return tokens
+
+
+class SdpaBackend(RowLayout):
     name = "sdpa"
 
     def plan(self, image_ids: torch.Tensor) -> torch.Tensor:
@@ -70,7 +85,7 @@ def _compiled_flex_attention() -> Any:
     return torch.compile(flex_attention, dynamic=False)
 
 
-class FlexBackend:
+class FlexBackend(RowLayout):
     name = "flex"
 
     def __init__(self, block_size: int = 128) -> None:
@@ -93,17 +108,25 @@ class FlexBackend:
 
 
 class SegmentPlan(NamedTuple):
-    order: torch.Tensor  # (P,) flat token positions, bucket by bucket, image by image; an
-    # image's slots beyond its length repeat its first token
-    back: torch.Tensor  # (R*L,) each token's place in that order; padding tokens -> P (zeros)
-    buckets: list[tuple[int, int]]  # (images, length) of each bucket, in order
-    keys: list[torch.Tensor]  # per bucket (images, 1, 1, length): the key-padding mask
+    """Tensors only, so that torch.compile guards on their sizes (dynamic after the first
+    batches) and not on a per-batch structure."""
+
+    order: torch.Tensor  # (P,) flat token position of each slot of the layout, bucket by
+    # bucket, image by image; slots beyond an image's length -> R*L (a fill token)
+    holds_token: torch.Tensor  # (P,) bool: the slot holds a token of its image
+    buckets: torch.Tensor  # (B, 3) on the host: images, length, 1 if any image is shorter
 
 
 class SegmentsBackend:
     name = "segments"
-    bucket_step = 16
 
+    def __init__(self, bucket_step: int = 4) -> None:
+        self.bucket_step = bucket_step
+
+    # Eager under torch.compile (plan, arrange, attend): the plan reads lengths on the host and
+    # the bucket loop changes with every batch; the layers around them compile, with the
+    # layout's length dynamic.
+    @torch.compiler.disable
     def plan(self, image_ids: torch.Tensor) -> SegmentPlan:
         rows, length = image_ids.shape
         device = image_ids.device
@@ -112,46 +135,51 @@ class SegmentsBackend:
         row = torch.arange(rows, device=device)[:, None]
         # Images lie in slot order from each row's start (see data.packing.pack).
         starts = (lengths.cumsum(1) - lengths + row * length).flatten()
-        lengths = lengths.flatten()
-        host_lengths = lengths.tolist()  # the one host sync
-        order, own, buckets, keys = [], [], [], []
-        for bucket in sorted({-(-n // self.bucket_step) * self.bucket_step for n in host_lengths if n}):
-            members = torch.tensor(
-                [i for i, n in enumerate(host_lengths) if bucket - self.bucket_step < n <= bucket],
-                device=device,
-            )
+        host_lengths = lengths.flatten().tolist()  # the one host sync
+        by_bucket: dict[int, list[int]] = {}
+        for image, n in enumerate(host_lengths):
+            if n:
+                by_bucket.setdefault(-(-n // self.bucket_step) * self.bucket_step, []).append(image)
+        order, holds_token, buckets = [], [], []
+        for bucket, members in sorted(by_bucket.items()):
+            sizes = torch.tensor([host_lengths[i] for i in members], device=device)
             offsets = torch.arange(bucket, device=device)
-            inside = offsets < lengths[members, None]  # (S, bucket)
-            order.append((starts[members, None] + torch.where(inside, offsets, 0)).flatten())
-            own.append(inside.flatten())
-            buckets.append((len(members), bucket))
-            keys.append(inside[:, None, None, :])
-        if not order:  # an all-padding filler batch
-            order, own = [starts.new_zeros(0)], [lengths.new_zeros(0, dtype=torch.bool)]
-        order_all, own_all = torch.cat(order), torch.cat(own)
-        back = torch.full((rows * length,), len(order_all), device=device)
-        back[order_all[own_all]] = torch.arange(len(order_all), device=device)[own_all]
-        return SegmentPlan(order_all, back, buckets, keys)
+            inside = offsets < sizes[:, None]  # (S, bucket)
+            fill = torch.full_like(inside, rows * length, dtype=torch.long)
+            order.append(torch.where(inside, starts[members, None] + offsets, fill).flatten())
+            holds_token.append(inside.flatten())
+            buckets.append((len(members), bucket, any(host_lengths[i] < bucket for i in members)))
+        if not buckets:  # an all-padding filler batch
+            empty = starts.new_zeros(0)
+            return SegmentPlan(empty, empty.bool(), torch.zeros(0, 3, dtype=torch.long))
+        return SegmentPlan(torch.cat(order), torch.cat(holds_token), torch.tensor(buckets))
 
+    @torch.compiler.disable
+    def arrange(self, tokens: torch.Tensor, plan: SegmentPlan, fill: int = 0) -> torch.Tensor:
+        """(R, L, ...) -> (P, ...): one gather per input, at the network's entry."""
+        flat = tokens.flatten(0, 1)
+        filler = flat.new_full((1, *flat.shape[1:]), fill)
+        return torch.cat([flat, filler]).index_select(0, plan.order)
+
+    @torch.compiler.disable
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
-        rows = q.shape[0]
-        q, k, v = (t.flatten(0, 1) for t in (q, k, v))  # (R*L, H, D), views where strides allow
-        gathered = [t.index_select(0, plan.order) for t in (q, k, v)]  # (P, H, D), one gather each
-        outputs, offset = [], 0
-        for (images, bucket), keys in zip(plan.buckets, plan.keys, strict=True):
-            size = images * bucket
-            qb, kb, vb = (
-                rearrange(t[offset : offset + size], "(s l) h d -> s h l d", l=bucket) for t in gathered
-            )
+        buckets = plan.buckets.tolist()
+        if not buckets:  # an all-padding filler batch
+            return v.new_zeros(v.shape)
+        # split, not slices: its backward is one cat, where each slice's fills a whole zero tensor
+        sizes = [images * length for images, length, _ in buckets]
+        outputs = []
+        for qb, kb, vb, holds_token, (images, length, padded) in zip(
+            *(t.split(sizes) for t in (q, k, v, plan.holds_token)), buckets, strict=True
+        ):
+            qb, kb, vb = (rearrange(t, "(s l) h d -> s h l d", l=length) for t in (qb, kb, vb))
+            keys = holds_token.view(images, 1, 1, length) if padded else None
             attended = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=keys)
             outputs.append(rearrange(attended, "s h l d -> (s l) h d"))
-            offset += size
-        # Back to the token order; padding tokens read the appended zero row (never pooled).
-        outputs.append(v.new_zeros(1, *v.shape[1:]))
-        return torch.cat(outputs).index_select(0, plan.back).unflatten(0, (rows, -1))
+        return torch.cat(outputs)
 
 
-class VarlenBackend:
+class VarlenBackend(RowLayout):
     """Segments: every image, and each row's padding, in row-major order over the flattened
     batch; the longest segment is bounded by the row length (no host sync to find it)."""
 
@@ -214,17 +242,13 @@ def check_backend_name(name: str) -> str:
     return name
 
 
-# On CPU, measured (docs/benchmarks.md): dense sdpa is faster for short rows, segments from
-# 1024 tokens a row on (and flat as rows grow).
-CPU_SEGMENTS_FROM_ROW_LEN = 1024
-
-
-def make_backend(name: str, device: torch.device, dtype: torch.dtype, row_len: int) -> Backend:
+def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> Backend:
     """`auto`: on CUDA varlen in bf16/fp16 (flash needs them) and flex in float32; on CPU
-    sdpa for short rows and segments for long ones."""
+    segments (measured, docs/benchmarks.md: as fast as dense sdpa at 144-token rows, faster
+    from 256 on, and flat as rows grow)."""
     if name == "auto":
         if device.type != "cuda":
-            name = "segments" if row_len >= CPU_SEGMENTS_FROM_ROW_LEN else "sdpa"
+            name = "segments"
         elif dtype in HALF_DTYPES and varlen_available(device):
             name = "varlen"
         else:
@@ -247,6 +271,9 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, backend: Backend, plan: Any) -> torch.Tensor:
-        q, k, v = rearrange(self.qkv(x), "r l (three h d) -> three r l h d", three=3, h=self.heads)
+        """x: (*layout, dim), the backend's token layout."""
+        # unbind next to the heads, not a leading dim: its backward stacks the three gradients
+        # straight into qkv's layout, with no permuted copy
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).unbind(-3)
         out = backend(self.q_norm(q), self.k_norm(k), v, plan)
-        return self.proj(rearrange(out, "r l h d -> r l (h d)"))
+        return self.proj(rearrange(out, "... h d -> ... (h d)"))

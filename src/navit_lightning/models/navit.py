@@ -18,7 +18,7 @@ from navit_lightning.models.attention import (
     compute_dtype,
     make_backend,
 )
-from navit_lightning.models.pooling import AttentionPool, MeanPool, image_lengths
+from navit_lightning.models.pooling import AttentionPool, MeanPool, image_lengths, segment_ids
 from navit_lightning.models.pos_embed import FactorizedPosEmbed
 
 
@@ -68,10 +68,10 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Sequential(nn.Linear(patch_dim, dim), nn.LayerNorm(dim))
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
-        """(R, L, p*p*C) uint8 -> (R, L, dim)."""
-        pixels = rearrange(patches, "r l (pp c) -> r l pp c", c=self.channels)
+        """(..., p*p*C) uint8 -> (..., dim)."""
+        pixels = rearrange(patches, "... (pp c) -> ... pp c", c=self.channels)
         pixels = (pixels.to(self.mean.dtype) - self.mean) / self.std
-        return self.proj(rearrange(pixels, "r l pp c -> r l (pp c)"))
+        return self.proj(rearrange(pixels, "... pp c -> ... (pp c)"))
 
 
 class NaViT(nn.Module):
@@ -113,16 +113,24 @@ class NaViT(nn.Module):
         self.apply(init_weights)
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
-        max_images = batch.grid.shape[1]
+        rows, max_images = batch.grid.shape[:2]
+        device = batch.patches.device
+        backend = make_backend(self.attention, device, compute_dtype(device, self.norm.weight.dtype))
+        plan = backend.plan(batch.image_ids)  # once per batch, shared by every layer
         # Each token's image grid, for fractional positions: (R, L, 2).
         slot = batch.image_ids.clamp(min=0)
         token_grid = torch.gather(batch.grid, 1, slot[..., None].expand(-1, -1, 2))
-        x = self.patch_embed(batch.patches) + self.pos_embed(batch.coords, token_grid)
-        backend = make_backend(self.attention, x.device, compute_dtype(x.device, x.dtype), x.shape[1])
-        plan = backend.plan(batch.image_ids)  # once per batch, shared by every layer
+        # The network runs in the backend's token layout (the rows, or image buckets).
+        patches, coords, token_grid = (
+            backend.arrange(t, plan) for t in (batch.patches, batch.coords, token_grid)
+        )
+        dump = rows * max_images  # the segment of every token that belongs to no image
+        segments = backend.arrange(segment_ids(batch.image_ids, max_images), plan, fill=dump)
+        x = self.patch_embed(patches) + self.pos_embed(coords, token_grid)
         for block in self.blocks:
             x = block(x, backend, plan)
-        return self.pool(self.norm(x), batch.image_ids, max_images)
+        pooled = self.pool(self.norm(x).flatten(0, -2), segments.flatten(), dump)
+        return pooled.unflatten(0, (rows, max_images))
 
     def train_flops(self, batch: PackedBatch) -> torch.Tensor:
         """Model FLOPs of one forward + backward on the batch's real tokens: the matmuls

@@ -14,17 +14,16 @@ from navit_lightning.data.packing import PAD_ID
 
 
 def segment_ids(image_ids: torch.Tensor, max_images: int) -> torch.Tensor:
-    """(R, L) slot ids -> (R*L,) flat segment ids r*K + slot; padding -> R*K (a dump segment)."""
+    """(R, L) slot ids -> (R, L) segment ids r*K + slot; padding -> R*K (a dump segment)."""
     rows = image_ids.shape[0]
     row_offset = torch.arange(rows, device=image_ids.device)[:, None] * max_images
-    flat = torch.where(image_ids == PAD_ID, rows * max_images, row_offset + image_ids)
-    return flat.flatten()
+    return torch.where(image_ids == PAD_ID, rows * max_images, row_offset + image_ids)
 
 
 def image_lengths(image_ids: torch.Tensor, max_images: int) -> torch.Tensor:
     """(R, L) slot ids -> (R, max_images) tokens each slot holds (0 for an empty slot)."""
     rows = image_ids.shape[0]
-    counts = torch.bincount(segment_ids(image_ids, max_images), minlength=rows * max_images + 1)
+    counts = torch.bincount(segment_ids(image_ids, max_images).flatten(), minlength=rows * max_images + 1)
     return counts[:-1].view(rows, max_images)
 
 
@@ -53,25 +52,22 @@ class AttentionPool(nn.Module):
         self.kv = nn.Linear(dim, 2 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, image_ids: torch.Tensor, max_images: int) -> torch.Tensor:
-        """(R, L, D) tokens -> (R, K, D) one vector per image slot (empty slots are meaningless)."""
-        rows = x.shape[0]
-        segments = segment_ids(image_ids, max_images)
-        k, v = rearrange(self.kv(x), "r l (two h d) -> two (r l) h d", two=2, h=self.heads)
-        scores = (k * self.query).sum(-1) * k.shape[-1] ** -0.5  # (R*L, H)
-        weights = segment_softmax(scores.float(), segments, rows * max_images + 1)
-        pooled = segment_sum(weights.to(v.dtype)[..., None] * v, segments, rows * max_images + 1)
-        pooled = rearrange(pooled[:-1], "(r k) h d -> r k (h d)", r=rows)
-        return self.proj(pooled)
+    def forward(self, x: torch.Tensor, segments: torch.Tensor, num_segments: int) -> torch.Tensor:
+        """(N, D) tokens of (N,) segments -> (num_segments, D), one vector per segment (those
+        without tokens are meaningless); tokens of segment `num_segments` are left out."""
+        k, v = rearrange(self.kv(x), "n (two h d) -> two n h d", two=2, h=self.heads)
+        scores = (k * self.query).sum(-1) * k.shape[-1] ** -0.5  # (N, H)
+        weights = segment_softmax(scores.float(), segments, num_segments + 1)
+        pooled = segment_sum(weights.to(v.dtype)[..., None] * v, segments, num_segments + 1)
+        return self.proj(rearrange(pooled[:-1], "s h d -> s (h d)"))
 
 
 class MeanPool(nn.Module):
     """Mean of each image's tokens."""
 
-    def forward(self, x: torch.Tensor, image_ids: torch.Tensor, max_images: int) -> torch.Tensor:
-        rows = x.shape[0]
-        segments = segment_ids(image_ids, max_images)
-        tokens = rearrange(x, "r l d -> (r l) d")
-        sums = segment_sum(tokens, segments, rows * max_images + 1)
-        counts = segment_sum(torch.ones_like(tokens[:, :1]), segments, rows * max_images + 1)
-        return rearrange(sums[:-1] / counts[:-1].clamp(min=1), "(r k) d -> r k d", r=rows)
+    def forward(self, x: torch.Tensor, segments: torch.Tensor, num_segments: int) -> torch.Tensor:
+        """(N, D) tokens of (N,) segments -> (num_segments, D); tokens of segment
+        `num_segments` are left out."""
+        sums = segment_sum(x, segments, num_segments + 1)[:-1]
+        counts = segment_sum(torch.ones_like(x[:, :1]), segments, num_segments + 1)[:-1]
+        return sums / counts.clamp(min=1)

@@ -24,7 +24,7 @@ class FactorizedPosEmbed(nn.Module):
         self.x = nn.Parameter(torch.randn(max_grid, dim) * 0.02)
 
     def forward(self, coords: torch.Tensor, token_grid: torch.Tensor) -> torch.Tensor:
-        """coords, token_grid: (R, L, 2) -> (R, L, dim)."""
+        """coords, token_grid: (..., 2) -> (..., dim)."""
         if self.fractional:
             coords = coords * self.max_grid // token_grid.clamp(min=1)
         # Checked in eager mode only: it costs a host sync, and a graph break under compile,
