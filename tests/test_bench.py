@@ -21,13 +21,19 @@ def test_attention_benchmark_measures_every_layout_on_the_same_images(tmp_path, 
 
     out = tmp_path / "bench.json"
     argv = ["--models", "navit_tiny", "--tokens", "512", "--row-len", "256", "--steps", "1", "--no-compile"]
-    monkeypatch.setattr(sys, "argv", ["bench", *argv, "--backends", "sdpa", "--json", str(out)])
+    monkeypatch.setattr(sys, "argv", ["bench", *argv, "--backends", "sdpa", "segments", "--json", str(out)])
     attention.main()
-    results = json.loads(out.read_text())["results"]
-    assert [(r["layout"], r["row_len"]) for r in results][:2] == [
-        ("packed", 256),
-        ("padded", results[1]["row_len"]),
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert [(r["layout"], r["backend"], r["row_len"]) for r in results][:3] == [
+        ("packed", "sdpa", 256),
+        ("packed", "segments", 256),
+        ("padded", "sdpa", results[2]["row_len"]),
     ]
-    assert [r["row_len"] for r in results if r["layout"] == "scaling"] == list(attention.ROW_LENGTHS)
+    for backend in ("sdpa", "segments"):
+        scaling = [r["row_len"] for r in results if r["layout"] == "scaling" and r["backend"] == backend]
+        assert scaling == list(attention.ROW_LENGTHS)
+        assert any(line.startswith(f"navit_tiny: {backend} step time") for line in report["summary"])
+    assert any("x the real patches/s of dense masked sdpa" in line for line in report["summary"])
     assert len({r["images"] for r in results}) == 1  # every layout holds the same images
     assert all(r["step_ms"] > 0 and r["matmul_share"] > 0 for r in results)

@@ -30,6 +30,9 @@ def config(*overrides: str):
         (2, ["strategy=dp", "trainer.num_nodes=2"], "for trainer.num_nodes>1 use strategy=ddp"),
         (2, ["strategy=dp", "trainer.sync_batchnorm=true"], "drop trainer.sync_batchnorm"),
         (2, ["strategy=dp", "model.compile=true"], "model.compile=true cannot run under strategy=dp"),
+        (0, ["model.net.attention=varlen"], "varlen is flash attention on CUDA: on CPU use"),
+        (2, ["model.net.attention=varlen"], "needs bf16 or fp16 but trainer.precision=32-true"),
+        (0, ["model.net.attention=flex"], "flex cannot train on CPU"),
     ],
 )
 def test_refused(monkeypatch, gpus, overrides, message):
@@ -54,6 +57,8 @@ def test_refused(monkeypatch, gpus, overrides, message):
         ),
         (2, ["strategy=dp", "trainer.devices=2", "trainer.precision=bf16-mixed", "model.head=bn_mlp"]),
         (0, ["trainer.strategy=ddp_spawn", "trainer.accelerator=cpu"]),
+        (2, ["model.net.attention=varlen", "trainer.precision=bf16-mixed"]),
+        (2, ["model.net.attention=flex"]),
     ],
 )
 def test_allowed(monkeypatch, gpus, overrides):
@@ -72,6 +77,7 @@ def test_allowed(monkeypatch, gpus, overrides):
         (["data.max_patches=200"], "data.max_patches=200 exceeds data.row_len=144"),
         (["model.head=mlp"], "model.head='mlp' is unknown: use one of ['bn_mlp', 'linear']"),
         (["model.net.attention=dense"], "model.net.attention='dense' is unknown"),
+        (["model.net.attention=flex"], "model.net.attention=flex cannot train on CPU"),
     ],
 )
 def test_refusal_is_one_line_and_exit_code_2(run_entry_point, overrides, message):

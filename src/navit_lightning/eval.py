@@ -37,7 +37,7 @@ def load_run_config(ckpt_path: str) -> DictConfig:
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Accuracy of the checkpoint's network on the chosen split of cfg.data."""
-    check_launch(cfg)
+    check_launch(cfg, training=False)
     L.seed_everything(cfg.seed, workers=True)
     run = load_run_config(cfg.ckpt_path)
     with open_dict(cfg):

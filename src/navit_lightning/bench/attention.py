@@ -9,13 +9,16 @@ One fixed, seeded workload of mixed-resolution images (4..16 patches a side, asp
 2:1) is packed into `--tokens` tokens per step; every figure comes from this one run:
   1. packed: real patches/s and images/s of a forward + backward + AdamW step, per backend,
      with and without torch.compile;
-  2. padded: the same images resized to one square size with the same total patch count,
-     one image per row (what a fixed-resolution ViT would be fed), same network, with and
+  2. padded: the same images resized to one square size (the nearest to the same total
+     patch count), one image per row (what a fixed-resolution ViT would be fed), same network, with and
      without torch.compile;
   3. scaling: step time as the row length grows (256 .. 2048) at the same image mix;
   4. the machine's matmul rate, probed here, and each step's achieved model-FLOP rate
      (NaViT.train_flops: attention within images only) as a share of it;
-  5. peak memory per step (CUDA only: torch's CPU allocator keeps no peak).
+  5. peak memory per step (CUDA only: torch's CPU allocator keeps no peak): the step's own
+     peak plus the network's parameters and optimizer state.
+The cases of a model are timed in interleaved rounds (one step of each in turn), so that the
+machine's drifts hit them alike; a summary under the table states the comparisons.
 Backends that cannot train here (varlen without an sm80+ GPU; flex on CPU, which has no
 FlexAttention backward) are reported as skipped.
 """
@@ -27,9 +30,10 @@ import json
 import math
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -93,7 +97,8 @@ def packed_batch(samples: list[ImageSample], tokens: int, row_len: int, patch_di
 
 
 def padded_batch(samples: list[ImageSample], patch_dim: int) -> PackedBatch:
-    """The same images at one square size with the same total patch count, one per row."""
+    """The same images at one square size, the nearest to the same total patch count, one
+    per row."""
     side = round(math.sqrt(sum(len(s.patches) for s in samples) / len(samples)))
     square = samples_for([(side, side)] * len(samples), patch_dim, seed=1)
     return pack(square, PackedShape(rows=len(square), row_len=side * side, max_images=1), patch_dim)
@@ -103,23 +108,19 @@ def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     """FLOP/s of a large square matmul on this device, median of a few."""
     n = 4096 if device.type == "cuda" else 1536
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    seconds = timed(lambda: a @ b, device, repeats=5)
-    return 2 * n**3 / seconds
+    a @ b  # warm-up
+    seconds = [timed_once(lambda: a @ b, device) for _ in range(5)]
+    return 2 * n**3 / statistics.median(seconds)
 
 
-def timed(step: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median seconds of `step` after one warm-up call."""
+def timed_once(step: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
     step()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
 
 
 def build_net(model: str, backend: str, device: torch.device) -> NaViT:
@@ -131,58 +132,153 @@ def build_net(model: str, backend: str, device: torch.device) -> NaViT:
     return NaViT(**net_cfg).to(device)
 
 
-def measure(
-    model: str,
-    layout: str,
-    backend: str,
-    compiled: bool,
-    batch: PackedBatch,
-    device: torch.device,
-    steps: int,
-    peak_rate: float,
-    autocast: torch.dtype | None,
-) -> Result:
+@dataclass
+class Trainer:
+    """A network, its optimizer and one training step on any batch."""
+
+    net: NaViT
+    optimizer: torch.optim.Optimizer
+    step: Callable[[PackedBatch], None]
+
+    def state_bytes(self) -> int:
+        """Parameters and optimizer state: resident between steps."""
+        tensors = [*self.net.parameters()] + [
+            t for state in self.optimizer.state.values() for t in state.values() if torch.is_tensor(t)
+        ]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def make_trainer(
+    model: str, backend: str, compiled: bool, device: torch.device, autocast: torch.dtype | None
+) -> Trainer:
     net = build_net(model, backend, device)
-    flops = float(net.train_flops(batch))
-    batch = PackedBatch(*(field.to(device) for field in batch))
     forward = torch.compile(net) if compiled else net
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
 
-    def step() -> None:
+    def step(batch: PackedBatch) -> None:
         with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
             loss = forward(batch)[batch.image_slots].float().pow(2).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    images, tokens = batch.num_images, batch.num_real_tokens
-    common = dict(
-        model=model,
-        layout=layout,
-        backend=backend,
-        compiled=compiled,
-        row_len=batch.patches.shape[1],
-        images=images,
-        real_tokens=tokens,
-    )
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    try:
-        seconds = timed(step, device, repeats=steps)
-    except Exception as error:  # a backend that cannot run here is reported, not fatal
-        return Result(
-            **common, step_ms=None, note=f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+    return Trainer(net, optimizer, step)
+
+
+@dataclass
+class Case:
+    """One figure: a batch through a trainer; its result is filled in once measured."""
+
+    result: Result
+    trainer: Trainer
+    batch: PackedBatch
+    flops: float
+    seconds: list[float] = field(default_factory=list)
+    peak_bytes: int = 0
+
+
+def measure_interleaved(cases: list[Case], device: torch.device, rounds: int, peak_rate: float) -> None:
+    """One warm-up step per case (compiles), then `rounds` rounds of one step of every case in
+    turn: the machine's drifts hit every case alike. Figures from the median step."""
+    ready = []
+    for case in cases:
+        try:
+            case.trainer.step(case.batch)
+            ready.append(case)
+        except Exception as error:  # a backend that cannot run here is reported, not fatal
+            case.result.note = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+    for _ in range(rounds):
+        for case in ready:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                resident = torch.cuda.memory_allocated(device)
+            case.seconds.append(timed_once(lambda case=case: case.trainer.step(case.batch), device))
+            if device.type == "cuda":
+                step_peak = torch.cuda.max_memory_allocated(device) - resident
+                case.peak_bytes = max(case.peak_bytes, step_peak + case.trainer.state_bytes())
+    for case in ready:
+        r, seconds = case.result, statistics.median(case.seconds)
+        r.step_ms = 1000 * seconds
+        r.patches_per_s = r.real_tokens / seconds
+        r.images_per_s = r.images / seconds
+        r.tflops = case.flops / seconds / 1e12
+        r.matmul_share = case.flops / seconds / peak_rate
+        r.peak_mib = case.peak_bytes / 2**20 if device.type == "cuda" else None
+
+
+def model_cases(
+    model: str,
+    samples: list[ImageSample],
+    args: argparse.Namespace,
+    backends: list[str],
+    device: torch.device,
+    autocast: torch.dtype | None,
+) -> list[Case]:
+    """The packed, padded and scaling cases of one model. Eager cases of a backend share one
+    network (the step time does not depend on its weights); each compiled case has its own."""
+    trainers: dict[tuple[str, bool, str], Trainer] = {}
+
+    def case(layout: str, backend: str, compiled: bool, batch: PackedBatch) -> Case:
+        key = (backend, compiled, layout if compiled else "")
+        if key not in trainers:
+            trainers[key] = make_trainer(model, backend, compiled, device, autocast)
+        trainer = trainers[key]
+        result = Result(
+            model=model,
+            layout=layout,
+            backend=backend,
+            compiled=compiled,
+            row_len=batch.patches.shape[1],
+            images=batch.num_images,
+            real_tokens=batch.num_real_tokens,
+            step_ms=None,
         )
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-    return Result(
-        **common,
-        step_ms=1000 * seconds,
-        patches_per_s=tokens / seconds,
-        images_per_s=images / seconds,
-        tflops=flops / seconds / 1e12,
-        matmul_share=flops / seconds / peak_rate,
-        peak_mib=peak,
-    )
+        flops = float(trainer.net.train_flops(batch))
+        return Case(result, trainer, PackedBatch(*(t.to(device) for t in batch)), flops)
+
+    patch_dim = samples[0].patches.shape[1]
+    compile_modes = (False,) if args.no_compile else (False, True)
+    packed = packed_batch(samples, args.tokens, args.row_len, patch_dim)
+    padded = padded_batch(samples, patch_dim)
+    cases = [case("packed", b, c, packed) for b in backends for c in compile_modes]
+    cases += [case("padded", "sdpa", c, padded) for c in compile_modes]
+    for row_len in ROW_LENGTHS:
+        batch = packed_batch(samples, max(args.tokens, row_len), row_len, patch_dim)
+        cases += [case("scaling", b, False, batch) for b in backends]
+    return cases
+
+
+def summary(results: list[Result]) -> list[str]:
+    """The comparisons the figures are for, one line each per model."""
+    lines = []
+    for model in dict.fromkeys(r.model for r in results):
+        timed = [r for r in results if r.model == model and r.step_ms is not None]
+        packed = [r for r in timed if r.layout == "packed"]
+        dense = next((r for r in packed if r.backend == "sdpa" and not r.compiled), None)
+        padded = max((r for r in timed if r.layout == "padded"), key=lambda r: r.images_per_s, default=None)
+        if not packed:
+            continue
+        best = max(packed, key=lambda r: r.patches_per_s)
+        name = f"{best.backend}{' compiled' if best.compiled else ''}"
+        if dense:
+            lines.append(
+                f"{model}: best packed ({name}) {best.patches_per_s / dense.patches_per_s:.2f}x the "
+                f"real patches/s of dense masked sdpa (eager)"
+            )
+        if padded:
+            lines.append(
+                f"{model}: best packed against the padded batch (its best, {padded.row_len} patches an "
+                f"image): {best.images_per_s / padded.images_per_s:.2f}x its images/s, "
+                f"{best.patches_per_s / padded.patches_per_s:.2f}x its patches/s"
+            )
+        for backend in dict.fromkeys(r.backend for r in timed if r.layout == "scaling"):
+            steps = [r.step_ms for r in timed if r.layout == "scaling" and r.backend == backend]
+            lines.append(
+                f"{model}: {backend} step time from {ROW_LENGTHS[0]}- to {ROW_LENGTHS[-1]}-token rows: "
+                f"{min(steps):.1f}..{max(steps):.1f} ms, spread {max(steps) / min(steps) - 1:.0%}"
+            )
+        lines.append(f"{model}: best share of the matmul probe {max(r.matmul_share for r in packed):.0%}")
+    return lines
 
 
 TABLE_HEAD = (
@@ -211,7 +307,9 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["sdpa", "segments", "flex", "varlen"])
     parser.add_argument("--tokens", type=int, default=4096, help="real-token budget of every step")
     parser.add_argument("--row-len", type=int, default=512, help="row length of the packed runs")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per figure (median)")
+    parser.add_argument(
+        "--steps", type=int, default=5, help="timed steps per figure, taken in interleaved rounds (median)"
+    )
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile runs")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
     parser.add_argument("--json")
@@ -237,36 +335,32 @@ def main() -> None:
         f"{sum(h * w for h, w in grids)} patches a step"
         + (f"; skipped here: {', '.join(skipped)}" if skipped else "")
     )
-    print(header, "", TABLE_HEAD, sep="\n", flush=True)
+    print(header, flush=True)
     results: list[Result] = []
-
-    def record(*measure_args: object) -> None:
-        results.append(measure(*measure_args, device, args.steps, peak_rate, autocast))
-        print(markdown_row(results[-1]), flush=True)
-
     for model in args.models:
-        patch_dim = build_net(model, "sdpa", torch.device("cpu")).patch_dim
-        samples = samples_for(grids, patch_dim)
-        packed = packed_batch(samples, args.tokens, args.row_len, patch_dim)
-        compile_modes = (False,) if args.no_compile else (False, True)
-        for backend in usable:
-            for compiled in compile_modes:
-                record(model, "packed", backend, compiled, packed)
-        padded = padded_batch(samples, patch_dim)
-        for compiled in compile_modes:
-            record(model, "padded", "sdpa", compiled, padded)
-        for row_len in ROW_LENGTHS:
-            batch = packed_batch(samples, max(args.tokens, row_len), row_len, patch_dim)
-            for backend in usable:
-                record(model, "scaling", backend, False, batch)
-    table = "\n".join([header, "", TABLE_HEAD, *map(markdown_row, results)])
+        samples = samples_for(grids, build_net(model, "sdpa", torch.device("cpu")).patch_dim)
+        cases = model_cases(model, samples, args, usable, device, autocast)
+        print(
+            f"{model}: {len(cases)} cases, {args.steps} interleaved rounds ...", file=sys.stderr, flush=True
+        )
+        measure_interleaved(cases, device, args.steps, peak_rate)
+        results += [case.result for case in cases]
+    table = "\n".join(
+        [header, "", TABLE_HEAD, *map(markdown_row, results), "", *map("- {}".format, summary(results))]
+    )
+    print(table.split("\n", 1)[1], flush=True)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table + "\n")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"header": header, "matmul_flops": peak_rate, "results": [asdict(r) for r in results]},
+                {
+                    "header": header,
+                    "matmul_flops": peak_rate,
+                    "results": [asdict(r) for r in results],
+                    "summary": summary(results),
+                },
                 f,
                 indent=2,
             )

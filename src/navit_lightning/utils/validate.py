@@ -15,11 +15,14 @@ from navit_lightning.errors import ConfigError
 GPU_ACCELERATORS = {"gpu", "cuda"}
 # Lightning turns 16-mixed into bf16-mixed on CPU with only a warning.
 GPU_ONLY_PRECISIONS = {"16-mixed", "16"}
+HALF_PRECISIONS = {"bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16", "16"}
 DP_TARGET = "navit_lightning.strategies.PackedDataParallelStrategy"
 STRATEGY_OPTIONS = sorted(path.stem for path in (Path(CONFIG_DIR) / "strategy").glob("*.yaml"))
 
 
-def check_launch(cfg: DictConfig) -> None:
+def check_launch(cfg: DictConfig, training: bool = True) -> None:
+    """training=False (eval.py): the model, and so its attention backend, comes from the
+    checkpoint later."""
     trainer = cfg.trainer
     check_strategy_name(trainer.strategy)
     gpus = torch.cuda.device_count()
@@ -46,6 +49,25 @@ def check_launch(cfg: DictConfig) -> None:
         )
     if is_dp(trainer.strategy):
         check_dp(cfg, on_gpu)
+    if training:
+        check_attention(cfg.model.net.attention, on_gpu, str(trainer.precision))
+
+
+def check_attention(backend: str, on_gpu: bool, precision: str) -> None:
+    if backend == "varlen" and not on_gpu:
+        raise ConfigError(
+            "model.net.attention=varlen is flash attention on CUDA: on CPU use model.net.attention=auto"
+        )
+    if backend == "varlen" and precision not in HALF_PRECISIONS:
+        raise ConfigError(
+            f"model.net.attention=varlen needs bf16 or fp16 but trainer.precision={precision}: "
+            "use trainer.precision=bf16-mixed, or model.net.attention=auto"
+        )
+    if backend == "flex" and not on_gpu:
+        raise ConfigError(
+            "model.net.attention=flex cannot train on CPU (torch has no FlexAttention backward there): "
+            "use model.net.attention=auto"
+        )
 
 
 def check_strategy_name(strategy: object) -> None:
