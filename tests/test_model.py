@@ -20,10 +20,15 @@ def features_by_label(net: NaViT, batch: PackedBatch) -> dict[int, torch.Tensor]
     return {int(batch.labels[r, k]): features[r, k] for r, k in (batch.labels >= 0).nonzero().tolist()}
 
 
+# The two layouts: the rows themselves (sdpa, and flex and varlen on GPUs), image buckets.
+LAYOUTS = pytest.mark.parametrize("attention", ["sdpa", "segments"])
+
+
+@LAYOUTS
 @pytest.mark.parametrize("pool", ["attention", "mean"])
 @pytest.mark.parametrize("fractional_pos", [False, True])
-def test_image_packed_with_others_gives_the_same_features_as_alone(pool, fractional_pos):
-    net = make_net(pool=pool, fractional_pos=fractional_pos)
+def test_image_packed_with_others_gives_the_same_features_as_alone(attention, pool, fractional_pos):
+    net = make_net(pool=pool, fractional_pos=fractional_pos, attention=attention)
     samples = [make_sample(h, w, label=i, seed=i) for i, (h, w) in enumerate(GRIDS)]
     with torch.no_grad():
         packed = features_by_label(net, pack(samples, SHAPE, PATCH_DIM))
@@ -44,8 +49,9 @@ def test_row_chunks_give_the_same_features_as_the_whole_batch():
             torch.testing.assert_close(net(part), whole[chunk], atol=1e-5, rtol=0)
 
 
-def test_padding_never_leaks_and_gradients_are_finite():
-    net = make_net().train()
+@LAYOUTS
+def test_padding_never_leaks_and_gradients_are_finite(attention):
+    net = make_net(attention=attention).train()
     samples = [make_sample(2, 3, label=0, seed=0), make_sample(3, 3, label=1, seed=1)]
     batch = pack(samples, SHAPE, PATCH_DIM)
     noisy_padding = batch._replace(

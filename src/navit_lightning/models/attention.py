@@ -129,30 +129,31 @@ class SegmentsBackend:
     @torch.compiler.disable
     def plan(self, image_ids: torch.Tensor) -> SegmentPlan:
         rows, length = image_ids.shape
-        device = image_ids.device
-        # A row holds at most `length` images: a slot bound known without a host sync.
-        lengths = image_lengths(image_ids, length)
-        row = torch.arange(rows, device=device)[:, None]
+        # A row holds at most `length` images: a slot bound known without a host sync. The
+        # plan is built on the host and sent over once.
+        lengths = image_lengths(image_ids, length).cpu()  # the one host sync
         # Images lie in slot order from each row's start (see data.packing.pack).
-        starts = (lengths.cumsum(1) - lengths + row * length).flatten()
-        host_lengths = lengths.flatten().tolist()  # the one host sync
+        starts = (lengths.cumsum(1) - lengths + torch.arange(rows)[:, None] * length).flatten()
+        lengths = lengths.flatten()
         by_bucket: dict[int, list[int]] = {}
-        for image, n in enumerate(host_lengths):
+        for image, n in enumerate(lengths.tolist()):
             if n:
                 by_bucket.setdefault(-(-n // self.bucket_step) * self.bucket_step, []).append(image)
         order, holds_token, buckets = [], [], []
         for bucket, members in sorted(by_bucket.items()):
-            sizes = torch.tensor([host_lengths[i] for i in members], device=device)
-            offsets = torch.arange(bucket, device=device)
-            inside = offsets < sizes[:, None]  # (S, bucket)
-            fill = torch.full_like(inside, rows * length, dtype=torch.long)
-            order.append(torch.where(inside, starts[members, None] + offsets, fill).flatten())
+            offsets = torch.arange(bucket)
+            inside = offsets < lengths[members, None]  # (S, bucket)
+            order.append(torch.where(inside, starts[members, None] + offsets, rows * length).flatten())
             holds_token.append(inside.flatten())
-            buckets.append((len(members), bucket, any(host_lengths[i] < bucket for i in members)))
+            buckets.append((len(members), bucket, not inside.all()))
         if not buckets:  # an all-padding filler batch
-            empty = starts.new_zeros(0)
-            return SegmentPlan(empty, empty.bool(), torch.zeros(0, 3, dtype=torch.long))
-        return SegmentPlan(torch.cat(order), torch.cat(holds_token), torch.tensor(buckets))
+            order, holds_token = [torch.zeros(0, dtype=torch.long)], [torch.zeros(0, dtype=torch.bool)]
+        device = image_ids.device
+        return SegmentPlan(
+            torch.cat(order).to(device),
+            torch.cat(holds_token).to(device),
+            torch.tensor(buckets, dtype=torch.long).view(-1, 3),
+        )
 
     @torch.compiler.disable
     def arrange(self, tokens: torch.Tensor, plan: SegmentPlan, fill: int = 0) -> torch.Tensor:
