@@ -14,7 +14,7 @@ from navit_lightning import CONFIG_DIR
 from navit_lightning.utils.entry_point import (
     prepare_command_line,
     refuse_bad_input,
-    route_lightning_logs_to_hydra,
+    tidy_lightning_output,
 )
 from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.validate import check_launch
@@ -59,7 +59,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="eval")
 def hydra_main(cfg: DictConfig) -> None:
-    route_lightning_logs_to_hydra()
+    tidy_lightning_output()
     with refuse_bad_input():
         evaluate(cfg)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import lightning as L
@@ -17,12 +16,6 @@ from navit_lightning.models import NaViT, build_head
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer, int], torch.optim.lr_scheduler.LRScheduler]
-
-# Lightning warns whenever a LightningModule has this hook and a datamodule is passed, even
-# one without it, as here: the module's hook is the only one.
-warnings.filterwarnings(
-    "ignore", message="You have overridden `on_before_batch_transfer` in `LightningModule`"
-)
 
 
 class NaViTClassifier(L.LightningModule):

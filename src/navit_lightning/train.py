@@ -14,7 +14,7 @@ from navit_lightning.utils.entry_point import (
     log_config,
     prepare_command_line,
     refuse_bad_input,
-    route_lightning_logs_to_hydra,
+    tidy_lightning_output,
 )
 from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.validate import check_launch
@@ -51,7 +51,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def hydra_main(cfg: DictConfig) -> float | None:
-    route_lightning_logs_to_hydra()
+    tidy_lightning_output()
     with refuse_bad_input():
         metrics = train(cfg)
     return metrics.get(cfg.get("optimized_metric"))

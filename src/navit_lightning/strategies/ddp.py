@@ -25,7 +25,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcess
 from omegaconf import OmegaConf
 
 import __main__
-from navit_lightning.utils.entry_point import route_lightning_logs_to_hydra
+from navit_lightning.utils.entry_point import tidy_lightning_output
 from navit_lightning.utils.launch import QUIET_RANK_OVERRIDES
 
 
@@ -64,7 +64,7 @@ class _HydraLoggingSpawnLauncher(_MultiProcessingLauncher):
             job_logging["handlers"] = {k: v for k, v in job_logging["handlers"].items() if k != "file"}
             job_logging["root"] = {**job_logging["root"], "handlers": ["console"]}
         logging.config.dictConfig(job_logging)
-        route_lightning_logs_to_hydra()
+        tidy_lightning_output()
         super()._wrapping_function(process_idx, *args, **kwargs)
 
 

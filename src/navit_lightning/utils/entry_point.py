@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -28,14 +29,24 @@ def log_config(config: DictConfig) -> None:
     rank_zero_info("Config:\n" + OmegaConf.to_yaml(config, resolve=True))
 
 
-def route_lightning_logs_to_hydra() -> None:
+def tidy_lightning_output() -> None:
     """Lightning gives its loggers their own console handler at import time, before Hydra
     configures logging, and stops them propagating: hand their records to the root logger
-    instead, so that they reach Hydra's console and the run's log file once."""
+    instead, so that they reach Hydra's console and the run's log file once. And drop what
+    asks nothing of the user: a torch deprecation inside Lightning's own code, a warning
+    about a hook that only the LightningModule defines (it warns whenever a datamodule is
+    passed too), and an advert."""
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    warnings.filterwarnings(
+        "ignore", message="You have overridden `on_before_batch_transfer` in `LightningModule`"
+    )
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
+        lambda record: "litlogger" not in record.getMessage()
+    )
 
 
 @contextmanager
