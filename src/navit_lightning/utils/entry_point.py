@@ -44,9 +44,13 @@ def tidy_lightning_output() -> None:
     warnings.filterwarnings(
         "ignore", message="You have overridden `on_before_batch_transfer` in `LightningModule`"
     )
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(
-        lambda record: "litlogger" not in record.getMessage()
-    )
+    # A named function, not a lambda: addFilter skips a filter it already holds, so a sweep's
+    # jobs and spawned ranks, each calling this, do not stack copies of it.
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(drop_litlogger_advert)
+
+
+def drop_litlogger_advert(record: logging.LogRecord) -> bool:
+    return "litlogger" not in record.getMessage()
 
 
 @contextmanager
