@@ -5,6 +5,7 @@ BIN := $(VENV)/bin
 # torch is pinned to the CPU build these machines carry; on a GPU machine install the torch
 # build for your CUDA into .venv first and pass TORCH=torch.
 TORCH ?= torch==2.13.0
+VIT_PYTORCH := 1.26.11
 
 .PHONY: setup train test lint clean
 
@@ -13,6 +14,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet "$(TORCH)"
 	$(BIN)/pip install --quiet -e ".[dev]"
+	# The attention benchmark's peer: --no-deps, its requirements would pull torchvision.
+	$(BIN)/pip install --quiet --no-deps "vit-pytorch==$(VIT_PYTORCH)"
 	touch $@
 
 setup: $(VENV)/.installed

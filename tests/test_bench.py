@@ -21,7 +21,8 @@ def test_attention_benchmark_measures_every_layout_on_the_same_images(tmp_path, 
 
     out = tmp_path / "bench.json"
     argv = ["--models", "navit_tiny", "--tokens", "512", "--row-len", "256", "--steps", "1", "--no-compile"]
-    monkeypatch.setattr(sys, "argv", ["bench", *argv, "--backends", "sdpa", "segments", "--json", str(out)])
+    backends = ["--backends", "sdpa", "segments", "--peers", "vit-pytorch"]
+    monkeypatch.setattr(sys, "argv", ["bench", *argv, *backends, "--json", str(out)])
     attention.main()
     report = json.loads(out.read_text())
     results = report["results"]
@@ -34,6 +35,9 @@ def test_attention_benchmark_measures_every_layout_on_the_same_images(tmp_path, 
         scaling = [r["row_len"] for r in results if r["layout"] == "scaling" and r["backend"] == backend]
         assert scaling == list(attention.ROW_LENGTHS)
         assert any(line.startswith(f"navit_tiny: {backend} step time") for line in report["summary"])
-    assert any("x the real patches/s of dense masked sdpa" in line for line in report["summary"])
+    peer = [r["row_len"] for r in results if r["layout"] == "peer" and r["backend"] == "vit-pytorch"]
+    assert peer == list(attention.ROW_LENGTHS)  # its best group_max_seq_len is searched
+    for compared in ("dense masked sdpa (eager)", "vit-pytorch at its best"):
+        assert any(f"x the real patches/s of {compared}" in line for line in report["summary"]), compared
     assert len({r["images"] for r in results}) == 1  # every layout holds the same images
     assert all(r["step_ms"] > 0 and r["matmul_share"] > 0 for r in results)

@@ -1,22 +1,28 @@
 """Does packing pay? Train-step speed of each attention backend, against a padded ViT batch
-of the same images, as rows grow, and as a share of the machine's matmul rate.
+of the same images, as rows grow, against other NaViT implementations, and as a share of
+the machine's matmul rate.
 
     python -m navit_lightning.bench.attention [--models navit_tiny navit_small]
-        [--backends sdpa segments flex varlen] [--tokens 4096] [--steps 5] [--no-compile]
-        [--json FILE] [--markdown FILE]
+        [--set model.net.depth=6 ...] [--backends sdpa segments flex varlen]
+        [--peers vit-pytorch timm] [--tokens 4096] [--sides 4 16] [--row-len 512] [--steps 5]
+        [--no-compile] [--bf16] [--largest BACKEND] [--json FILE] [--markdown FILE]
 
-One fixed, seeded workload of mixed-resolution images (4..16 patches a side, aspect up to
-2:1) is packed into `--tokens` tokens per step; every figure comes from this one run:
+One fixed, seeded workload of mixed-resolution images (`--sides` patches a side, aspect up
+to 2:1) is packed into `--tokens` tokens per step; every figure comes from this one run:
   1. packed: real patches/s and images/s of a forward + backward + AdamW step, per backend,
      with and without torch.compile;
   2. padded: the same images resized to one square size (the nearest to the same total
      patch count), one image per row (what a fixed-resolution ViT would be fed), same network, with and
      without torch.compile;
   3. scaling: step time as the row length grows (256 .. 2048) at the same image mix;
-  4. the machine's matmul rate, probed here, and each step's achieved model-FLOP rate
-     (NaViT.train_flops: attention within images only) as a share of it;
-  5. peak memory per step (CUDA only: torch's CPU allocator keeps no peak): the step's own
-     peak plus the network's parameters and optimizer state.
+  4. peers: vit-pytorch's NaViT at every row length (its group_max_seq_len) and timm's
+     NaFlexViT, at equal architecture on the same images (bench/peers.py), where installed;
+  5. the machine's matmul rate, probed here, and each step's achieved model-FLOP rate
+     (NaViT.train_flops: attention within images only) as a share of it, and of the
+     device's nominal bf16 peak where known;
+  6. peak memory per step (CUDA only: torch's CPU allocator keeps no peak): the step's own
+     peak plus the network's parameters and optimizer state; with --largest, the most
+     tokens a step of that backend fits.
 The cases of a model are timed in interleaved rounds (one step of each in turn), so that the
 machine's drifts hit them alike; a summary under the table states the comparisons.
 Backends that cannot train here (varlen without an sm80+ GPU; flex on CPU, which has no
@@ -34,11 +40,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from hydra import compose, initialize_config_dir
 
 from navit_lightning import CONFIG_DIR
+from navit_lightning.bench import peers
 from navit_lightning.data.packing import ImageSample, PackedBatch, PackedShape, first_fit_decreasing, pack
 from navit_lightning.models import NaViT
 from navit_lightning.models.attention import varlen_available
@@ -64,14 +72,16 @@ class Result:
     note: str = ""
 
 
-def workload(tokens: int, seed: int = 0) -> list[tuple[int, int]]:
-    """Image grids (h, w) in patches, drawn while they fill at most 98 % of `tokens` (about
-    what the training packer reaches; every layout below still holds all of them)."""
+def workload(tokens: int, sides: tuple[int, int] = (4, 16), seed: int = 0) -> list[tuple[int, int]]:
+    """Image grids (h, w) in patches, sides within `sides`, aspect up to 2:1, drawn while they
+    fill at most 98 % of `tokens` (about what the training packer reaches; every layout below
+    still holds all of them)."""
     rng = random.Random(seed)
+    low, high = sides
     grids: list[tuple[int, int]] = []
     while True:
-        side = rng.randint(4, 16)
-        other = max(4, min(16, round(side * 2 ** rng.uniform(-1, 1))))
+        side = rng.randint(low, high)
+        other = max(low, min(high, round(side * 2 ** rng.uniform(-1, 1))))
         grid = (side, other) if rng.random() < 0.5 else (other, side)
         if sum(h * w for h, w in grids) + grid[0] * grid[1] > 0.98 * tokens:
             return grids
@@ -123,22 +133,23 @@ def timed_once(step: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def build_net(model: str, backend: str, device: torch.device) -> NaViT:
+def architecture(model: str, overrides: list[str]) -> dict:
+    """The network settings of a model config, with Hydra overrides (`model.net.depth=6`)."""
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=[f"model={model}", f"model.net.attention={backend}"])
-    net_cfg = {k: v for k, v in cfg.model.net.items() if k != "_target_"}
-    net_cfg["max_grid"] = 64
-    torch.manual_seed(0)
-    return NaViT(**net_cfg).to(device)
+        cfg = compose("train", overrides=[f"model={model}", *overrides])
+    arch = {k: v for k, v in cfg.model.net.items() if k != "_target_"}
+    arch["max_grid"] = 64
+    return arch
 
 
 @dataclass
 class Trainer:
-    """A network, its optimizer and one training step on any batch."""
+    """A network, its optimizer and one training step (forward, a loss on its outputs,
+    backward, AdamW) on any input of its forward."""
 
-    net: NaViT
+    net: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    step: Callable[[PackedBatch], None]
+    step: Callable[[Any], None]
 
     def state_bytes(self) -> int:
         """Parameters and optimizer state: resident between steps."""
@@ -148,16 +159,17 @@ class Trainer:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def make_trainer(
-    model: str, backend: str, compiled: bool, device: torch.device, autocast: torch.dtype | None
+def trainer_for(
+    net: torch.nn.Module,
+    forward: Callable[[Any], torch.Tensor],
+    device: torch.device,
+    autocast: torch.dtype | None,
 ) -> Trainer:
-    net = build_net(model, backend, device)
-    forward = torch.compile(net) if compiled else net
     optimizer = torch.optim.AdamW(net.parameters(), lr=1e-4)
 
-    def step(batch: PackedBatch) -> None:
+    def step(inputs: Any) -> None:
         with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
-            loss = forward(batch)[batch.image_slots].float().pow(2).mean()
+            loss = forward(inputs).float().pow(2).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -165,13 +177,22 @@ def make_trainer(
     return Trainer(net, optimizer, step)
 
 
+def make_trainer(
+    arch: dict, backend: str, compiled: bool, device: torch.device, autocast: torch.dtype | None
+) -> Trainer:
+    torch.manual_seed(0)
+    net = NaViT(**{**arch, "attention": backend}).to(device)
+    compiled_net = torch.compile(net) if compiled else net
+    return trainer_for(net, lambda batch: compiled_net(batch)[batch.image_slots], device, autocast)
+
+
 @dataclass
 class Case:
     """One figure: a batch through a trainer; its result is filled in once measured."""
 
     result: Result
-    trainer: Trainer
-    batch: PackedBatch
+    trainer: Trainer | None  # None: it cannot be built here (a peer not installed)
+    batch: Any  # the input of the trainer's forward
     flops: float
     seconds: list[float] = field(default_factory=list)
     peak_bytes: int = 0
@@ -182,6 +203,8 @@ def measure_interleaved(cases: list[Case], device: torch.device, rounds: int, pe
     turn: the machine's drifts hit every case alike. Figures from the median step."""
     ready = []
     for case in cases:
+        if case.trainer is None:  # could not be built here: its note says why
+            continue
         try:
             case.trainer.step(case.batch)
             ready.append(case)
@@ -208,33 +231,50 @@ def measure_interleaved(cases: list[Case], device: torch.device, rounds: int, pe
 
 def model_cases(
     model: str,
+    arch: dict,
     samples: list[ImageSample],
     args: argparse.Namespace,
     backends: list[str],
     device: torch.device,
     autocast: torch.dtype | None,
 ) -> list[Case]:
-    """The packed, padded and scaling cases of one model. Eager cases of a backend share one
-    network (the step time does not depend on its weights); each compiled case has its own."""
+    """The packed, padded, scaling and peer cases of one model. Eager cases of a backend share
+    one network (the step time does not depend on its weights); each compiled case has its own."""
     trainers: dict[tuple[str, bool, str], Trainer] = {}
+    train_flops = NaViT(**arch).train_flops  # model FLOPs of a batch: the same for every layout
 
-    def case(layout: str, backend: str, compiled: bool, batch: PackedBatch) -> Case:
-        key = (backend, compiled, layout if compiled else "")
-        if key not in trainers:
-            trainers[key] = make_trainer(model, backend, compiled, device, autocast)
-        trainer = trainers[key]
-        result = Result(
+    def result(layout: str, backend: str, compiled: bool, row_len: int, batch: PackedBatch) -> Result:
+        return Result(
             model=model,
             layout=layout,
             backend=backend,
             compiled=compiled,
-            row_len=batch.patches.shape[1],
+            row_len=row_len,
             images=batch.num_images,
             real_tokens=batch.num_real_tokens,
             step_ms=None,
         )
-        flops = float(trainer.net.train_flops(batch))
-        return Case(result, trainer, PackedBatch(*(t.to(device) for t in batch)), flops)
+
+    def case(layout: str, backend: str, compiled: bool, batch: PackedBatch) -> Case:
+        key = (backend, compiled, layout if compiled else "")
+        if key not in trainers:
+            trainers[key] = make_trainer(arch, backend, compiled, device, autocast)
+        return Case(
+            result(layout, backend, compiled, batch.patches.shape[1], batch),
+            trainers[key],
+            PackedBatch(*(t.to(device) for t in batch)),
+            float(train_flops(batch)),
+        )
+
+    def peer_case(name: str, row_len: int, build: Callable[[], peers.Peer]) -> Case:
+        """A peer on the packed batch's images; its row length is the one it packs or pads to."""
+        record = result("peer", name, False, row_len, packed)
+        try:
+            net, forward, inputs = build()
+        except Exception as error:  # not installed here, or not importable: reported, not fatal
+            record.note = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
+            return Case(record, None, None, 0.0)
+        return Case(record, trainer_for(net, forward, device, autocast), inputs, float(train_flops(packed)))
 
     patch_dim = samples[0].patches.shape[1]
     compile_modes = (False,) if args.no_compile else (False, True)
@@ -245,10 +285,20 @@ def model_cases(
     for row_len in ROW_LENGTHS:
         batch = packed_batch(samples, max(args.tokens, row_len), row_len, patch_dim)
         cases += [case("scaling", b, False, batch) for b in backends]
+    if "vit-pytorch" in args.peers:  # at every row length: its best is its users' best
+        cases += [
+            peer_case("vit-pytorch", g, lambda g=g: peers.vit_pytorch_navit(arch, samples, device, g))
+            for g in ROW_LENGTHS
+        ]
+    if "timm" in args.peers:
+        longest = max(len(s.patches) for s in samples)
+        cases.append(
+            peer_case("timm-naflexvit", longest, lambda: peers.timm_naflexvit(arch, samples, device))
+        )
     return cases
 
 
-def summary(results: list[Result]) -> list[str]:
+def summary(results: list[Result], nominal_peak: float | None = None) -> list[str]:
     """The comparisons the figures are for, one line each per model."""
     lines = []
     for model in dict.fromkeys(r.model for r in results):
@@ -271,14 +321,45 @@ def summary(results: list[Result]) -> list[str]:
                 f"image): {best.images_per_s / padded.images_per_s:.2f}x its images/s, "
                 f"{best.patches_per_s / padded.patches_per_s:.2f}x its patches/s"
             )
-        for backend in dict.fromkeys(r.backend for r in timed if r.layout == "scaling"):
-            steps = [r.step_ms for r in timed if r.layout == "scaling" and r.backend == backend]
+        for peer in dict.fromkeys(r.backend for r in timed if r.layout == "peer"):
+            its_best = max((r for r in timed if r.backend == peer), key=lambda r: r.patches_per_s)
+            lines.append(
+                f"{model}: best packed ({name}) {best.patches_per_s / its_best.patches_per_s:.2f}x the real "
+                f"patches/s of {peer} at its best (rows of {its_best.row_len} tokens)"
+            )
+        scaling = [r for r in timed if r.layout == "scaling"]
+        for backend in dict.fromkeys(r.backend for r in scaling):
+            steps = [r.step_ms for r in scaling if r.backend == backend]
             lines.append(
                 f"{model}: {backend} step time from {ROW_LENGTHS[0]}- to {ROW_LENGTHS[-1]}-token rows: "
                 f"{min(steps):.1f}..{max(steps):.1f} ms, spread {max(steps) / min(steps) - 1:.0%}"
             )
-        lines.append(f"{model}: best share of the matmul probe {max(r.matmul_share for r in packed):.0%}")
+        longest = [r for r in scaling if r.row_len == ROW_LENGTHS[-1]]
+        dense_longest = next((r for r in longest if r.backend == "sdpa"), None)
+        if dense_longest and len(longest) > 1:
+            fastest = min(longest, key=lambda r: r.step_ms)
+            lines.append(
+                f"{model}: at {ROW_LENGTHS[-1]}-token rows {fastest.backend} "
+                f"{dense_longest.step_ms / fastest.step_ms:.2f}x the speed of dense masked sdpa"
+            )
+        share = max(r.matmul_share for r in packed)
+        of_peak = max(r.tflops for r in packed) * 1e12 / nominal_peak if nominal_peak else None
+        lines.append(
+            f"{model}: best share of the matmul probe {share:.0%}"
+            + (f", of the device's nominal bf16 peak {of_peak:.0%}" if of_peak else "")
+        )
     return lines
+
+
+# Dense bf16 tensor-core peaks from the vendor's data sheets, by device name.
+NOMINAL_BF16_PEAK = {"H100 80GB HBM3": 989.4e12, "H100 PCIe": 756.5e12, "H200": 989.4e12, "A100": 312e12}
+
+
+def nominal_bf16_peak(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in NOMINAL_BF16_PEAK.items() if key in name), None)
 
 
 TABLE_HEAD = (
@@ -299,19 +380,64 @@ def markdown_row(r: Result) -> str:
     )
 
 
+def largest_batch(
+    arch: dict, backend: str, args: argparse.Namespace, device: torch.device, autocast: torch.dtype | None
+) -> str:
+    """The most tokens a step takes on this device before it runs out of memory: doubling
+    from --tokens, then halfway between the last that fit and the first that did not."""
+
+    def fits(tokens: int) -> float | None:
+        patch_dim = arch["patch_size"] ** 2 * arch["channels"]
+        batch = packed_batch(
+            samples_for(workload(tokens, args.sides), patch_dim), tokens, args.row_len, patch_dim
+        )
+        try:
+            trainer = make_trainer(arch, backend, False, device, autocast)
+            torch.cuda.reset_peak_memory_stats(device)
+            for _ in range(2):
+                trainer.step(PackedBatch(*(t.to(device) for t in batch)))
+            return torch.cuda.max_memory_allocated(device) / 2**20
+        except torch.OutOfMemoryError:
+            return None
+        finally:
+            trainer = None
+            torch.cuda.empty_cache()
+
+    fitted, tokens = (args.tokens, fits(args.tokens)), args.tokens
+    while (peak := fits(tokens * 2)) is not None:
+        tokens *= 2
+        fitted = (tokens, peak)
+    if (peak := fits(tokens * 3 // 2)) is not None:
+        fitted = (tokens * 3 // 2, peak)
+    return (
+        f"largest batch that fits ({backend}, {args.row_len}-token rows): {fitted[0]} tokens, "
+        f"peak {fitted[1]:,.0f} MiB"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--models", nargs="+", default=["navit_tiny", "navit_small"])
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides for every model, e.g. model.net.depth=6",
+    )
     parser.add_argument("--backends", nargs="+", default=["sdpa", "segments", "flex", "varlen"])
+    parser.add_argument("--peers", nargs="*", default=["vit-pytorch", "timm"], help="other NaViTs to time")
     parser.add_argument("--tokens", type=int, default=4096, help="real-token budget of every step")
+    parser.add_argument("--sides", type=int, nargs=2, default=(4, 16), help="image sides in patches, min max")
     parser.add_argument("--row-len", type=int, default=512, help="row length of the packed runs")
     parser.add_argument(
         "--steps", type=int, default=5, help="timed steps per figure, taken in interleaved rounds (median)"
     )
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile runs")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
+    parser.add_argument("--largest", metavar="BACKEND", help="also find the most tokens a step fits (CUDA)")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args()
@@ -319,35 +445,41 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     autocast = torch.bfloat16 if args.bf16 else None
     peak_rate = matmul_rate(device, autocast or torch.float32)
+    nominal_peak = nominal_bf16_peak(device) if autocast == torch.bfloat16 else None
     usable = [
         b
         for b in args.backends
         if (b != "varlen" or varlen_available(device)) and (b != "flex" or device.type == "cuda")
     ]
     skipped = sorted(set(args.backends) - set(usable))
-    grids = workload(args.tokens)
+    grids = workload(args.tokens, args.sides)
     machine = (
         torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU x{torch.get_num_threads()}"
     )
     header = (
         f"{time.strftime('%Y-%m-%d')}, {machine}, torch {torch.__version__}; matmul probe "
-        f"{peak_rate / 1e12:.3f} TFLOP/s ({autocast or torch.float32}); {len(grids)} images, "
-        f"{sum(h * w for h, w in grids)} patches a step"
+        f"{peak_rate / 1e12:.3f} TFLOP/s ({autocast or torch.float32}); {len(grids)} images "
+        f"({args.sides[0]}..{args.sides[1]} patches a side), {sum(h * w for h, w in grids)} patches a step"
+        + (f"; overrides: {' '.join(args.set)}" if args.set else "")
         + (f"; skipped here: {', '.join(skipped)}" if skipped else "")
     )
     print(header, flush=True)
     results: list[Result] = []
+    extra: list[str] = []
     for model in args.models:
-        samples = samples_for(grids, build_net(model, "sdpa", torch.device("cpu")).patch_dim)
-        cases = model_cases(model, samples, args, usable, device, autocast)
+        arch = architecture(model, args.set)
+        samples = samples_for(grids, arch["patch_size"] ** 2 * arch["channels"])
+        cases = model_cases(model, arch, samples, args, usable, device, autocast)
         print(
             f"{model}: {len(cases)} cases, {args.steps} interleaved rounds ...", file=sys.stderr, flush=True
         )
         measure_interleaved(cases, device, args.steps, peak_rate)
         results += [case.result for case in cases]
-    table = "\n".join(
-        [header, "", TABLE_HEAD, *map(markdown_row, results), "", *map("- {}".format, summary(results))]
-    )
+        del cases
+        if args.largest and device.type == "cuda":
+            extra.append(f"{model}: {largest_batch(arch, args.largest, args, device, autocast)}")
+    lines = summary(results, nominal_peak) + extra
+    table = "\n".join([header, "", TABLE_HEAD, *map(markdown_row, results), "", *map("- {}".format, lines)])
     print(table.split("\n", 1)[1], flush=True)
     if args.markdown:
         with open(args.markdown, "w") as f:
@@ -359,7 +491,7 @@ def main() -> None:
                     "header": header,
                     "matmul_flops": peak_rate,
                     "results": [asdict(r) for r in results],
-                    "summary": summary(results),
+                    "summary": lines,
                 },
                 f,
                 indent=2,

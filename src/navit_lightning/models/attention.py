@@ -17,7 +17,10 @@ themselves, or image groups), then attends with it:
   compile with a dynamic length.
 - varlen: flash attention over variable-length segments (CUDA): each image is a sequence
   of its own, so a row costs the sum of its images' n_i^2. A row's padding is one more short
-  segment, whose outputs are never used.
+  segment, whose outputs are never used; an empty image slot a zero-length one, so that the
+  plan has a fixed size (no host sync, one compiled graph). Each empty slot still costs a
+  little: navit_base at K=64 slots and 1024-token rows (10 images a row) was 126 ms a step
+  against 110 ms with only the real segments (H100, docs/benchmarks.md).
 
 FlexAttention has no backward on CPU (torch 2.13): there, flex serves evaluation only.
 """
@@ -48,8 +51,9 @@ def document_mask(image_ids: torch.Tensor) -> torch.Tensor:
 class Backend(Protocol):
     name: str
 
-    def plan(self, image_ids: torch.Tensor) -> Any:
-        """What every layer needs to attend within images, built once per batch."""
+    def plan(self, image_ids: torch.Tensor, max_images: int) -> Any:
+        """What every layer needs to attend within images, built once per batch, from the
+        (R, L) slot ids of a batch of at most `max_images` images a row."""
 
     def arrange(self, tokens: torch.Tensor, plan: Any, fill: int = 0) -> torch.Tensor:
         """(R, L, ...) per-token inputs -> the token layout this backend attends in; slots
@@ -70,7 +74,7 @@ class RowLayout:
 class SdpaBackend(RowLayout):
     name = "sdpa"
 
-    def plan(self, image_ids: torch.Tensor) -> torch.Tensor:
+    def plan(self, image_ids: torch.Tensor, max_images: int) -> torch.Tensor:
         return document_mask(image_ids)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: torch.Tensor) -> torch.Tensor:
@@ -91,7 +95,7 @@ class FlexBackend(RowLayout):
     def __init__(self, block_size: int = 128) -> None:
         self.block_size = block_size
 
-    def plan(self, image_ids: torch.Tensor) -> Any:
+    def plan(self, image_ids: torch.Tensor, max_images: int) -> Any:
         from torch.nn.attention.flex_attention import create_block_mask
 
         def same_image(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
@@ -127,11 +131,10 @@ class SegmentsBackend:
     # the bucket loop changes with every batch; the layers around them compile, with the
     # layout's length dynamic.
     @torch.compiler.disable
-    def plan(self, image_ids: torch.Tensor) -> SegmentPlan:
+    def plan(self, image_ids: torch.Tensor, max_images: int) -> SegmentPlan:
         rows, length = image_ids.shape
-        # A row holds at most `length` images: a slot bound known without a host sync. The
-        # plan is built on the host and sent over once.
-        lengths = image_lengths(image_ids, length).cpu()  # the one host sync
+        # The plan is built on the host and sent over once.
+        lengths = image_lengths(image_ids, max_images).cpu()  # the one host sync
         # Images lie in slot order from each row's start (see data.packing.pack).
         starts = (lengths.cumsum(1) - lengths + torch.arange(rows)[:, None] * length).flatten()
         lengths = lengths.flatten()
@@ -181,19 +184,22 @@ class SegmentsBackend:
 
 
 class VarlenBackend(RowLayout):
-    """Segments: every image, and each row's padding, in row-major order over the flattened
-    batch; the longest segment is bounded by the row length (no host sync to find it)."""
+    """Segments over the flattened batch: each row is its K image slots in order, then its
+    padding; an empty slot is a zero-length segment. So the plan has a fixed size, R*(K+1)+1
+    offsets, and the longest segment is bounded by the row length: no host sync, and static
+    shapes under torch.compile (no recompile as the image mix changes)."""
 
     name = "varlen"
 
-    def plan(self, image_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def plan(self, image_ids: torch.Tensor, max_images: int) -> tuple[torch.Tensor, int]:
         rows, length = image_ids.shape
-        # A segment starts at each row start and wherever the image id changes.
-        starts = torch.ones_like(image_ids, dtype=torch.bool)
-        starts[:, 1:] = image_ids[:, 1:] != image_ids[:, :-1]
-        positions = torch.arange(rows * length, device=image_ids.device, dtype=torch.int32)
-        begins = positions[starts.flatten()]
-        return torch.cat([begins, begins.new_tensor([rows * length])]), length
+        # Images lie in slot order from each row's start (see data.packing.pack).
+        lengths = image_lengths(image_ids, max_images)  # (R, K)
+        ends = lengths.cumsum(1)  # (R, K): where each slot's tokens end within the row
+        row_starts = torch.arange(rows, device=image_ids.device)[:, None] * length
+        bounds = torch.cat([row_starts, row_starts + ends], 1).flatten()  # (R*(K+1),)
+        offsets = torch.cat([bounds, bounds.new_full((1,), rows * length)])
+        return offsets.to(torch.int32), length
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: tuple[torch.Tensor, int]

@@ -116,7 +116,7 @@ class NaViT(nn.Module):
         rows, max_images = batch.grid.shape[:2]
         device = batch.patches.device
         backend = make_backend(self.attention, device, compute_dtype(device, self.norm.weight.dtype))
-        plan = backend.plan(batch.image_ids)  # once per batch, shared by every layer
+        plan = backend.plan(batch.image_ids, max_images)  # once per batch, shared by every layer
         # Each token's image grid, for fractional positions: (R, L, 2).
         slot = batch.image_ids.clamp(min=0)
         token_grid = torch.gather(batch.grid, 1, slot[..., None].expand(-1, -1, 2))

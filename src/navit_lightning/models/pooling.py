@@ -23,7 +23,9 @@ def segment_ids(image_ids: torch.Tensor, max_images: int) -> torch.Tensor:
 def image_lengths(image_ids: torch.Tensor, max_images: int) -> torch.Tensor:
     """(R, L) slot ids -> (R, max_images) tokens each slot holds (0 for an empty slot)."""
     rows = image_ids.shape[0]
-    counts = torch.bincount(segment_ids(image_ids, max_images).flatten(), minlength=rows * max_images + 1)
+    segments = segment_ids(image_ids, max_images).flatten()
+    # scatter_add, not bincount: its output size is static, so torch.compile keeps one graph
+    counts = segments.new_zeros(rows * max_images + 1).scatter_add_(0, segments, torch.ones_like(segments))
     return counts[:-1].view(rows, max_images)
 
 
