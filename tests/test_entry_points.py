@@ -24,15 +24,16 @@ def assert_run_folder(run, validated: bool = True):
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def assert_written_once_by_rank_zero(run, steps_per_rank: int | None = None):
-    """One log file, written by rank 0 only, showing equal batch counts on both ranks."""
+def assert_written_once_by_rank_zero(run, steps_per_rank: int | None = None, ranks: int = 2):
+    """One log file, written by rank 0 only, showing equal batch counts on every rank."""
     assert_run_folder(run)
     log = (run / "train.log").read_text()
     assert "[rank: 1]" not in log and log.count("Config:") == 1
-    counts = re.findall(r"training batches per rank: \[(\d+), (\d+)\]", log)
-    assert len(counts) == 1 and counts[0][0] == counts[0][1], counts
-    batches = int(counts[0][0])
-    assert (batches == steps_per_rank) if steps_per_rank else (batches > 1)
+    counts = re.findall(r"training batches per rank: \[([\d, ]+)\]", log)
+    assert len(counts) == 1, counts
+    batches = {int(count) for count in counts[0].split(", ")}
+    assert len(counts[0].split(", ")) == ranks and len(batches) == 1, counts
+    assert (batches == {steps_per_rank}) if steps_per_rank else (min(batches) > 1)
 
 
 def test_train_then_eval_reports_accuracy(run_entry_point):
@@ -64,20 +65,20 @@ def test_train_then_eval_reports_accuracy(run_entry_point):
     assert re.search(r"val accuracy: [0-9.]+", result.stdout + result.stderr)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn"])
-def test_two_rank_ddp_on_cpu(run_entry_point, strategy):
+@pytest.mark.parametrize(
+    ("strategy", "devices"), [("ddp", 2), ("ddp_spawn", 2), ("ddp", 4)], ids=["ddp", "ddp_spawn", "ddp-4"]
+)
+def test_ddp_on_cpu_with_the_default_callbacks(run_entry_point, strategy, devices):
+    """A whole epoch with validation, then the test, the progress bar and every default
+    callback on: every rank enters every collective in the same order."""
     result = run_entry_point(
-        "train.py",
-        *TINY_RUN,
-        f"strategy={strategy}",
-        "trainer.accelerator=cpu",
-        "trainer.devices=2",
-        "test=false",
+        "train.py", *TINY_RUN, f"strategy={strategy}", "trainer.accelerator=cpu", f"trainer.devices={devices}"
     )
     output = result.stdout + result.stderr
-    assert "world size 2" in output
-    # One whole epoch, split evenly: both ranks ran the same number of batches.
-    assert_written_once_by_rank_zero(only((run_entry_point.root / "logs" / "train" / "runs").iterdir()))
+    assert f"world size {devices}" in output and re.search(r"test/acc\s+│\s+[0-9.]+", output)
+    # Split evenly: every rank ran the same number of batches.
+    run = only((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    assert_written_once_by_rank_zero(run, ranks=devices)
 
 
 def test_torchrun_two_processes_on_cpu(run_entry_point):
@@ -90,7 +91,6 @@ def test_torchrun_two_processes_on_cpu(run_entry_point):
         "strategy=ddp",
         "trainer.accelerator=cpu",
         "trainer.devices=2",
-        "test=false",
         launcher=torchrun,
     )
     assert_written_once_by_rank_zero(only((run_entry_point.root / "logs" / "train" / "runs").iterdir()))
@@ -108,7 +108,6 @@ def test_multirun_with_ddp_runs_each_job_once_in_its_folder(run_entry_point):
         "trainer.devices=2",
         "trainer.max_epochs=-1",
         "trainer.max_steps=10",
-        "test=false",
     )
     assert [p.name for p in (run_entry_point.root / "logs" / "train").iterdir()] == ["multiruns"]
     sweep = only((run_entry_point.root / "logs" / "train" / "multiruns").iterdir())

@@ -17,6 +17,7 @@ from navit_lightning.utils.entry_point import (
     tidy_lightning_output,
 )
 from navit_lightning.utils.instantiate import instantiate_group
+from navit_lightning.utils.shutdown import end_promptly_on_signals, explain_collective_failure
 from navit_lightning.utils.validate import check_launch
 
 
@@ -51,7 +52,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     run_split = {"val": trainer.validate, "test": trainer.test}
     if cfg.split not in run_split:
         raise ValueError(f"split={cfg.split!r} is unknown: use split=val or split=test")
-    run_split[cfg.split](model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    with explain_collective_failure(trainer):
+        run_split[cfg.split](model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
     rank_zero_info(f"{cfg.split} accuracy: {metrics[f'{cfg.split}/acc']:.4f} ({cfg.ckpt_path})")
     return metrics
@@ -65,6 +67,7 @@ def hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    end_promptly_on_signals()
     prepare_command_line()
     hydra_main()
 

@@ -41,7 +41,8 @@ class NaViTClassifier(L.LightningModule):
                 for stage in ("train", "val", "test")
             }
         )
-        self.val_acc_best = MaxMetric()
+        # Fed the synced val accuracy, the same on every rank: nothing left to sync.
+        self.val_acc_best = MaxMetric(sync_on_compute=False)
         # Model FLOPs of the latest training batch, read by Lightning's ThroughputMonitor.
         self.flops_per_batch = 0
 
@@ -92,8 +93,12 @@ class NaViTClassifier(L.LightningModule):
         self._step(batch, "test")
 
     def on_validation_epoch_end(self) -> None:
+        # compute() syncs the accuracy across ranks, here on every rank, in this hook, which
+        # runs before any rank-zero-only callback reads the epoch's metrics (the progress bar
+        # reads them in on_validation_end); see the note in utils/callbacks.py.
         if not self.trainer.sanity_checking:
             self.val_acc_best(self.accuracy["val_acc"].compute())
+            # sync_dist of equal values: no news, but Lightning warns about epoch logs without it
             self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> dict:

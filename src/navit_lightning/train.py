@@ -17,6 +17,7 @@ from navit_lightning.utils.entry_point import (
     tidy_lightning_output,
 )
 from navit_lightning.utils.instantiate import instantiate_group
+from navit_lightning.utils.shutdown import end_promptly_on_signals, explain_collective_failure
 from navit_lightning.utils.validate import check_launch
 
 
@@ -39,13 +40,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     rank_zero_info(
         f"world size {trainer.world_size} ({trainer.num_nodes} node(s) x {trainer.num_devices} device(s))"
     )
-    if cfg.train:
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-    metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
-    if cfg.test:
-        best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-        trainer.test(model, datamodule=datamodule, ckpt_path=best or None)
-        metrics.update({name: float(value) for name, value in trainer.callback_metrics.items()})
+    with explain_collective_failure(trainer):
+        if cfg.train:
+            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+        if cfg.test:
+            best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+            trainer.test(model, datamodule=datamodule, ckpt_path=best or None)
+            metrics.update({name: float(value) for name, value in trainer.callback_metrics.items()})
     return metrics
 
 
@@ -58,6 +60,7 @@ def hydra_main(cfg: DictConfig) -> float | None:
 
 
 def main() -> None:
+    end_promptly_on_signals()
     prepare_command_line()
     hydra_main()
 

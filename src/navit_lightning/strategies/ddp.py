@@ -7,12 +7,16 @@ overrides and its output folder, and leave the .hydra folder and the log file to
 
 ddp_spawn's processes start with Python's default logging, so what rank 0 logs during fit
 would miss the run's log file: they get the job's logging config back.
+
+Every rank waits at most `collective_timeout_s` in a collective (torch's default: 30 minutes)
+and ends within seconds of SIGTERM/SIGINT (utils/shutdown.py).
 """
 
 from __future__ import annotations
 
 import logging.config
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -27,6 +31,7 @@ from omegaconf import OmegaConf
 import __main__
 from navit_lightning.utils.entry_point import tidy_lightning_output
 from navit_lightning.utils.launch import QUIET_RANK_OVERRIDES
+from navit_lightning.utils.shutdown import end_promptly_on_signals
 
 
 def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
@@ -65,12 +70,18 @@ class _HydraLoggingSpawnLauncher(_MultiProcessingLauncher):
             job_logging["root"] = {**job_logging["root"], "handlers": ["console"]}
         logging.config.dictConfig(job_logging)
         tidy_lightning_output()
+        end_promptly_on_signals()
         super()._wrapping_function(process_idx, *args, **kwargs)
 
 
 class HydraDDPStrategy(DDPStrategy):
     """DDPStrategy whose ranks run as the current Hydra job: `popen` children rerun the job
-    (also in multirun), `spawn` processes log as the job does."""
+    (also in multirun), `spawn` processes log as the job does; a collective that waits longer
+    than `collective_timeout_s` fails."""
+
+    def __init__(self, collective_timeout_s: float = 300.0, **kwargs: Any) -> None:
+        super().__init__(timeout=timedelta(seconds=collective_timeout_s), **kwargs)
+        self.collective_timeout_s = collective_timeout_s
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()

@@ -20,9 +20,21 @@ class StoreRunConfig(L.Callback):
         checkpoint["run_config"] = self.config
 
 
+# Collectives and Lightning's rank-zero-only callbacks. The progress bar (rank 0 only) reads
+# the logged metrics in its batch- and epoch-end hooks, which computes, and so syncs across
+# ranks, every torchmetrics state and sync_dist value right there, on rank 0 alone; the
+# other ranks do the same syncs later, in the same order, when Lightning collects the epoch's
+# metrics. A collective of ours in those hooks would meet a different one on rank 0, and the
+# run would hang (it did: UnreadableImageReport reduced its count in on_train_epoch_end).
+# So: counts across ranks go through `pl_module.log(..., sync_dist=True, reduce_fx=...)`
+# from batch hooks, and Lightning orders their reduction with the others; a collective of
+# our own runs only where no epoch metric is left to compute (on_train_end).
+
+
 class RankStepReport(L.Callback):
     """At the end of fit, rank zero reports how many training batches every rank ran: under
-    DDP they must all be equal, or the ranks have drifted apart."""
+    DDP they must all be equal, or the ranks have drifted apart. Its all_gather runs in
+    on_train_end, when every rank has computed and synced all of the epoch's metrics."""
 
     def __init__(self) -> None:
         self.batches = 0
@@ -38,31 +50,60 @@ class RankStepReport(L.Callback):
 
 
 class UnreadableImageReport(L.Callback):
-    """At the end of every epoch, counts the images that failed to decode on all ranks (each
-    was named in a warning when it first failed), logs `<stage>/unreadable_images` and warns
-    when there were any."""
+    """Counts the images that failed to decode (each was named in a warning when it first
+    failed) as `<stage>/unreadable_images`, summed over the epoch and the ranks by Lightning's
+    own logging (see the note above), and warns once the stage's count is known."""
 
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._report(trainer, pl_module, "train")
+    def __init__(self) -> None:
+        self.epoch: dict[str, int] = {}  # the epoch each stage last counted
 
-    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._report(trainer, pl_module, "val")
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._count(trainer, pl_module, "train")
 
-    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._report(trainer, pl_module, "test")
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._count(trainer, pl_module, "val")
 
-    def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._count(trainer, pl_module, "test")
+
+    def _count(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         dataset = getattr(trainer.datamodule, "datasets", {}).get(stage)
         if dataset is None:
             return
+        self.epoch[stage] = trainer.current_epoch
+        # Failures since the last batch, in this rank's loader workers (shared counter).
         counter = dataset.unreadable_this_epoch
         with counter.get_lock():
             count, counter.value = counter.value, 0
-        if trainer.sanity_checking:
+        pl_module.log(
+            f"{stage}/unreadable_images",
+            float(count),
+            on_step=False,
+            on_epoch=True,
+            reduce_fx="sum",
+            sync_dist=True,
+            batch_size=1,
+        )
+
+    # Lightning has reduced the epoch's metrics by these hooks (the train epoch's by the
+    # next epoch's start, or the end of fit).
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._warn(trainer, "train")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._warn(trainer, "train")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._warn(trainer, "val")
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._warn(trainer, "test")
+
+    def _warn(self, trainer: L.Trainer, stage: str) -> None:
+        if stage not in self.epoch:
             return
-        total = int(trainer.strategy.reduce(torch.tensor(count, device=pl_module.device), reduce_op="sum"))
-        pl_module.log(f"{stage}/unreadable_images", float(total), on_epoch=True, rank_zero_only=True)
-        if total:
-            rank_zero_warn(
-                f"{stage} epoch {trainer.current_epoch}: skipped {total} images that could not be decoded"
-            )
+        epoch = self.epoch.pop(stage)  # once per counted epoch
+        total = trainer.callback_metrics.get(f"{stage}/unreadable_images")
+        if total is not None and total > 0:
+            rank_zero_warn(f"{stage} epoch {epoch}: skipped {int(total)} images that could not be decoded")

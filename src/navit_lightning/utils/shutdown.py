@@ -1,0 +1,121 @@
+"""A multi-process run ends, with one line that says why, instead of hanging.
+
+Two ways a run used to hang for good:
+- A rank waits in a collective that another rank never enters. torch's process-group timeout
+  (`trainer.strategy.collective_timeout_s`, configs/strategy/ddp.yaml) turns that wait into an
+  error; `explain_collective_failure` turns the error into one line naming the rank and the
+  hook, and exit code 3.
+- A signal is ignored. Python runs a signal handler only between bytecodes of the main
+  thread, so a rank blocked in a collective never runs Lightning's SIGTERM handler (which
+  forwards the signal to the other ranks), and the parent of ddp_spawn ranks died without
+  them. `end_promptly_on_signals` gives each process a watchdog thread, woken through
+  `signal.set_wakeup_fd`: after SIGTERM or SIGINT it leaves the main thread `grace_s` seconds
+  to stop on its own (Lightning's graceful path), then kills the process's descendants
+  (ranks, loader workers) and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import lightning as L
+
+log = logging.getLogger("navit_lightning")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+GRACE_S = 5.0
+_watchdog: threading.Thread | None = None
+
+
+def end_promptly_on_signals(grace_s: float = GRACE_S) -> None:
+    """Install the watchdog once per process (a no-op off the main thread or if installed)."""
+    global _watchdog
+    if _watchdog is not None or threading.current_thread() is not threading.main_thread():
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    # Python writes to the wakeup fd only for signals it handles: SIGINT has its handler
+    # (KeyboardInterrupt); SIGTERM gets one that exits as a clean SystemExit.
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+    # A forked loader worker inherits the wakeup fd: its signals must not wake this watchdog.
+    os.register_at_fork(after_in_child=_forget_in_child)
+    _watchdog = threading.Thread(target=_watch, args=(read_fd, grace_s), name="signal-watchdog", daemon=True)
+    _watchdog.start()
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _forget_in_child() -> None:
+    global _watchdog
+    _watchdog = None
+    signal.set_wakeup_fd(-1)
+
+
+def _watch(read_fd: int, grace_s: float) -> None:
+    while (signum := os.read(read_fd, 1)[0]) not in STOP_SIGNALS:
+        pass
+    time.sleep(grace_s)
+    # Still here: the main thread is stuck (a collective, a join on stuck children).
+    name = signal.Signals(signum).name
+    log.error(f"error: {name} not handled within {grace_s:.0f} s: stopping this process and its children")
+    for pid in descendants(os.getpid()):
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    os._exit(128 + signum)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (read from /proc; none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while we read
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+# What gloo raises when a collective times out, and when a peer rank is gone mid-collective.
+TIMED_OUT = "Timed out"
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+@contextmanager
+def explain_collective_failure(trainer: L.Trainer) -> Iterator[None]:
+    """A collective that timed out or lost its peer becomes one line and exit code 3."""
+    try:
+        yield
+    except RuntimeError as error:
+        message = str(error)
+        if not (TIMED_OUT in message or any(gone in message for gone in PEER_GONE)):
+            raise
+        module = trainer.lightning_module
+        hook = getattr(module, "_current_fx_name", None) or "an unknown hook"
+        if TIMED_OUT in message:
+            timeout = getattr(trainer.strategy, "collective_timeout_s", None)
+            why = (
+                f"a collective in {hook} timed out" + (f" after {timeout:.0f} s" if timeout else "") + ": "
+                "another rank never entered it (every rank must enter each all_reduce, all_gather and "
+                "barrier in the same order; see utils/callbacks.py)"
+            )
+        else:
+            why = f"another rank stopped during a collective in {hook} (see its error above)"
+        log.error(f"error: rank {trainer.global_rank}: {why}")
+        raise SystemExit(3) from None

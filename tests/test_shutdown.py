@@ -1,0 +1,83 @@
+"""A multi-process run that breaks the collective rules, or gets a signal while stuck,
+ends: with one line naming the rank and the hook, and no process left behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from navit_lightning.utils.shutdown import GRACE_S, descendants
+from tests.conftest import REPO, TINY_RUN
+
+pytestmark = pytest.mark.slow
+
+ASYMMETRIC = [
+    *TINY_RUN,
+    "strategy=ddp",
+    "trainer.accelerator=cpu",
+    "trainer.devices=2",
+    "+callbacks.asymmetric._target_=tests.collectives.ReduceAtTrainEpochEnd",
+]
+
+
+def processes_of(root: Path) -> list[int]:
+    """Processes still running with this test's PROJECT_ROOT."""
+    mine = f"PROJECT_ROOT={root}".encode()
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if mine in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_rank_asymmetric_collective_ends_the_run_with_one_line_per_rank(run_entry_point):
+    start = time.monotonic()
+    result = run_entry_point(
+        "train.py", *ASYMMETRIC, "trainer.strategy.collective_timeout_s=10", check=False, timeout=240
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 3, output[-3000:]
+    for rank in (0, 1):
+        assert f"error: rank {rank}: a collective in on_train_epoch_end timed out after 10 s" in output
+    assert "Traceback" not in output
+    assert time.monotonic() - start < 120
+    assert not processes_of(run_entry_point.root)
+
+
+def test_sigterm_ends_a_run_stuck_in_a_collective_within_seconds(run_entry_point, tmp_path):
+    """A scheduler's cancel reaches only the launching process: it and its ranks end."""
+    (tmp_path / "data").is_symlink() or (tmp_path / "data").symlink_to(run_entry_point.root / "data")
+    env = {**os.environ, "PROJECT_ROOT": str(run_entry_point.root)}
+    log = tmp_path / "output.txt"
+    with log.open("w") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, str(REPO / "train.py"), *ASYMMETRIC],
+            cwd=run_entry_point.root,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 180
+            # Rank 0 is stuck before it gets there: in its progress bar's sync of the metrics.
+            while "rank 1: reducing in on_train_epoch_end" not in log.read_text():
+                assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+            ranks = descendants(launcher.pid)
+            assert ranks, "rank 1 runs as a child of the launching process"
+            time.sleep(2)  # both ranks are inside their mismatched collectives now
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(timeout=GRACE_S + 15)
+        finally:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM
+    assert "SIGTERM not handled within" in log.read_text()
+    time.sleep(1)
+    assert not processes_of(run_entry_point.root)
