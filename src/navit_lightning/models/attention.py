@@ -168,8 +168,10 @@ class SegmentsBackend:
     @torch.compiler.disable
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
         buckets = plan.buckets.tolist()
-        if not buckets:  # an all-padding filler batch
-            return v.new_zeros(v.shape)
+        if not buckets:  # an all-padding filler batch: (0, H, D) each
+            # Still from q, k and v: under DDP every parameter must get its (zero) gradient,
+            # or this rank's backward skips a bucket's all_reduce that the other ranks enter.
+            return q + k + v
         # split, not slices: its backward is one cat, where each slice's fills a whole zero tensor
         sizes = [images * length for images, length, _ in buckets]
         outputs = []
