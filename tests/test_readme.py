@@ -1,0 +1,167 @@
+"""Every command line in the README's code blocks runs here as a user types it, with only
+what shrinks it appended (the tiny shapes data, one epoch, fewer timed steps) and its
+placeholders filled in (a run folder, an image folder, this host). Commands that need a GPU
+are refused on CPU with their one-line error and exit code 2, and run for real where CUDA
+is. A README command that no rule below knows fails the suite."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, TINY_SHAPES
+
+pytestmark = pytest.mark.slow
+
+PROGRAMS = ("python", "torchrun", "make", "sbatch", "pip", ".venv/bin/")
+# Shrink a training run by its data and its length only: the model, callbacks, loggers and
+# strategy stay as the README has them.
+SHRINK_TRAINING = [*TINY_SHAPES, "trainer.max_epochs=1"]
+# Refused on a machine without CUDA (utils/validate.py), run where it has one.
+NEEDS_CUDA = ("strategy=dp", "model.net.attention=flex", "trainer.sync_batchnorm=true")
+
+
+def readme_commands(text: str) -> list[str]:
+    """The command lines of the README's indented code blocks: continuation lines joined,
+    comments dropped, only lines that start a program (after VAR=value assignments)."""
+    commands, pending = [], ""
+    for line in text.splitlines():
+        if not line.startswith("    ") or not line.strip():
+            pending = ""
+            continue
+        line = pending + line.strip()
+        if line.endswith("\\"):
+            pending = line[:-1] + " "
+            continue
+        pending = ""
+        line = re.sub(r"\s+#.*$", "", line)
+        program = next((w for w in line.split() if "=" not in w), "")
+        if program.startswith(PROGRAMS):
+            commands.append(line)
+    return commands
+
+
+COMMANDS = readme_commands((REPO / "README.md").read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def as_run_here(command: str, run: str, images: Path) -> tuple[str, Path | None]:
+    """The command as it runs on this machine, and the folder to run it in (None: the
+    project root). Raises LookupError for a command no rule knows."""
+    filled = (
+        command.replace("<run>", run)
+        .replace("ckpt_path=...", f"ckpt_path=logs/train/runs/{run}/checkpoints/last.ckpt")
+        .replace("/path/to/images", str(images))
+    )
+    # an image folder of its own is already small: only the epochs shrink
+    shrink = "trainer.max_epochs=1" if "data=imagefolder" in filled else shlex.join(SHRINK_TRAINING)
+    if re.match(r"(\S+=\S+ )*python (train|eval)\.py", filled):
+        if "ckpt_path=" in filled and "train.py" in filled:  # a resumed run trains one epoch more
+            return f"{filled} {shlex.join(TINY_SHAPES)} trainer.max_epochs=2", None
+        if "hydra/launcher=slurm" in filled:  # no SLURM here: its first job composes with the
+            # launcher (--cfg excludes -m, and a sweep's values need -m)
+            first = re.sub(r"=(\w+),\S+", r"=\1", filled.replace(" -m ", " "))
+            return f"{first} {shrink} --cfg hydra | grep -q 'hydra_plugins.hydra_submitit_launcher'", None
+        if filled.startswith("MASTER_ADDR="):  # one node of N by hand: this host, N = 1
+            filled = re.sub(r"MASTER_ADDR=\S+ MASTER_PORT=\S+ NODE_RANK=\S+", "", filled)
+            filled = f"MASTER_ADDR=127.0.0.1 MASTER_PORT={free_port()} NODE_RANK=0 " + filled.strip()
+            filled = filled.replace("trainer.num_nodes=N", "trainer.num_nodes=1")
+        return f"{filled} {shrink if 'train.py' in filled else ''}", None
+    if filled.startswith("torchrun"):  # the multi-node recipe on one node: this host
+        for written, here in [
+            ("--nnodes=2", "--nnodes=1"),
+            ("trainer.num_nodes=2", "trainer.num_nodes=1"),
+            ("HOST:29500", f"127.0.0.1:{free_port()}"),
+        ]:
+            filled = filled.replace(written, here)
+        arguments = filled.split(maxsplit=1)[1].replace(" train.py ", f" {REPO}/train.py ")
+        return f"{sys.executable} -m torch.distributed.run {arguments} {shrink}", None
+    if filled.startswith("python -m navit_lightning.bench.attention"):
+        flags = re.sub(r"[\[\]]", "", filled)
+        shrunk = "--models navit_tiny --tokens 512 --row-len 256 --steps 1 --no-compile"
+        return f"{flags} {shrunk} --backends sdpa segments", None
+    if filled.startswith("python -m navit_lightning.bench.data_loading"):
+        return filled.replace("[train.py overrides]", shlex.join([*TINY_SHAPES, "data.num_workers=0"])), None
+    if filled.startswith("sbatch scripts/train.sbatch"):  # no SLURM: one task, srun a pass-through
+        return f"bash scripts/train.sbatch {filled.split(maxsplit=2)[2]} {shrink}", REPO
+    if filled == 'pip install -e ".[cluster]"':  # installed by make's dev extra: the plugin imports
+        return f"{sys.executable} -c 'import hydra_plugins.hydra_submitit_launcher.submitit_launcher'", None
+    if filled == "make train":
+        return f"make train ARGS={shlex.quote(shrink)}", REPO
+    if filled == "make test":
+        return "make test ARGS=tests/test_configs.py", REPO
+    if filled.startswith(".venv/bin/python -m pytest"):
+        return f"{filled} tests/test_configs.py", REPO
+    if filled == "make lint":
+        return filled, REPO
+    if filled == ".venv/bin/pre-commit install":  # into a clone: the checkout's hooks stay as they are
+        return filled, "clone"
+    if filled == ".venv/bin/tensorboard --logdir logs/":  # a server: read the logs once and exit
+        return f"{REPO}/{filled} --inspect", None
+    raise LookupError(f"no rule runs this README command: {command}")
+
+
+@pytest.fixture(scope="module")
+def readme_root(project_root: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A project root with the tiny data and one finished run (the README's <run>)."""
+    root = tmp_path_factory.mktemp("readme")
+    (root / "data").symlink_to(project_root / "data")
+    shell(f"python {REPO}/train.py {shlex.join(SHRINK_TRAINING)}", root, root)
+    run = next((root / "logs" / "train" / "runs").iterdir()).name
+    return root, run
+
+
+def shell(command: str, cwd: Path, root: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PROJECT_ROOT": str(root), "HYDRA_FULL_ERROR": "1"}
+    # `python` is this interpreter; tests/bin holds an `srun` that runs one task in place
+    paths = [str(Path(sys.executable).parent), str(REPO / "tests" / "bin"), env["PATH"]]
+    env["PATH"] = os.pathsep.join(paths)
+    env["SLURM_JOB_NUM_NODES"], env["SLURM_NTASKS_PER_NODE"] = "1", "1"  # for the sbatch script
+    return subprocess.run(
+        command.replace("python train.py", f"python {REPO}/train.py").replace(
+            "python eval.py", f"python {REPO}/eval.py"
+        ),
+        shell=True,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
+
+
+def test_the_readme_has_commands_and_every_one_has_a_rule():
+    assert len(COMMANDS) >= 20, COMMANDS
+    for command in COMMANDS:
+        as_run_here(command, "RUN", Path("/images"))
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_readme_command_runs_as_written(command, readme_root, tmp_path):
+    root, run = readme_root
+    line, cwd = as_run_here(command, run, root / "data" / "shapes" / "val")
+    if cwd == "clone":
+        subprocess.run(["git", "clone", "-q", str(REPO), str(tmp_path / "clone")], check=True)
+        (tmp_path / "clone" / ".venv").symlink_to(REPO / ".venv")
+        cwd = tmp_path / "clone"
+    result = shell(line, cwd or root, root)
+    output = result.stdout + result.stderr
+    refused = any(setting in command.split() for setting in NEEDS_CUDA) and not torch.cuda.is_available()
+    if refused:
+        assert result.returncode == 2, output[-3000:]
+        assert re.search(r"error: .*(GPU|CUDA|on CPU)", output), output[-3000:]
+    else:
+        assert result.returncode == 0, f"{line}\n{output[-4000:]}"
