@@ -99,7 +99,9 @@ def samples_for(grids: list[tuple[int, int]], patch_dim: int, seed: int = 0) -> 
 
 
 def packed_batch(samples: list[ImageSample], tokens: int, row_len: int, patch_dim: int) -> PackedBatch:
-    shape = PackedShape(rows=tokens // row_len, row_len=row_len, max_images=64)
+    # as many image slots as the smallest image allows a row to hold
+    slots = row_len // min(len(s.patches) for s in samples)
+    shape = PackedShape(rows=tokens // row_len, row_len=row_len, max_images=slots)
     _, left_over = first_fit_decreasing([len(s.patches) for s in samples], shape)
     if left_over:
         raise ValueError(f"{len(left_over)} workload images do not fit {shape}: raise --tokens")
