@@ -59,7 +59,8 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 def _forget_in_child() -> None:
     global _watchdog
     _watchdog = None
-    signal.set_wakeup_fd(-1)
+    with suppress(ValueError):  # a child forked off another thread than the main one
+        signal.set_wakeup_fd(-1)
 
 
 def _watch(read_fd: int, grace_s: float) -> None:
