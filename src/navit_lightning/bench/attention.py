@@ -144,6 +144,11 @@ def architecture(model: str, overrides: list[str]) -> dict:
     return arch
 
 
+def pixels_per_patch(arch: dict) -> int:
+    """The flattened patch length of an architecture (its patch_dim)."""
+    return arch["patch_size"] ** 2 * arch["channels"]
+
+
 @dataclass
 class Trainer:
     """A network, its optimizer and one training step (forward, a loss on its outputs,
@@ -389,10 +394,8 @@ def largest_batch(
     from --tokens, then halfway between the last that fit and the first that did not."""
 
     def fits(tokens: int) -> float | None:
-        patch_dim = arch["patch_size"] ** 2 * arch["channels"]
-        batch = packed_batch(
-            samples_for(workload(tokens, args.sides), patch_dim), tokens, args.row_len, patch_dim
-        )
+        pixels = pixels_per_patch(arch)
+        batch = packed_batch(samples_for(workload(tokens, args.sides), pixels), tokens, args.row_len, pixels)
         try:
             trainer = make_trainer(arch, backend, False, device, autocast)
             torch.cuda.reset_peak_memory_stats(device)
@@ -470,7 +473,7 @@ def main() -> None:
     extra: list[str] = []
     for model in args.models:
         arch = architecture(model, args.set)
-        samples = samples_for(grids, arch["patch_size"] ** 2 * arch["channels"])
+        samples = samples_for(grids, pixels_per_patch(arch))
         cases = model_cases(model, arch, samples, args, usable, device, autocast)
         print(
             f"{model}: {len(cases)} cases, {args.steps} interleaved rounds ...", file=sys.stderr, flush=True

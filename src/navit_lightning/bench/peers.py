@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from einops import rearrange
 
-from navit_lightning.data.packing import ImageSample
+from navit_lightning.data.packing import PAD_ID, ImageSample, PackedShape, pack
 
 
 def load_vit_pytorch_navit() -> ModuleType:
@@ -96,15 +96,12 @@ def timm_naflexvit(arch: dict, samples: list[ImageSample], device: torch.device)
     net = NaFlexVit(cfg, in_chans=arch["channels"], num_classes=10).to(device)
     # Its loader's layout: one image per row, padded to the batch's longest, (y, x) coords.
     longest = max(len(s.patches) for s in samples)
-    patches = torch.zeros(len(samples), longest, samples[0].patches.shape[1])
-    coords = torch.zeros(len(samples), longest, 2, dtype=torch.long)
-    valid = torch.zeros(len(samples), longest, dtype=torch.bool)
-    for i, s in enumerate(samples):
-        n = len(s.patches)
-        patches[i, :n], coords[i, :n], valid[i, :n] = s.patches.float() / 255, s.coords, True
+    rows = pack(
+        samples, PackedShape(rows=len(samples), row_len=longest, max_images=1), samples[0].patches.shape[1]
+    )
     inputs = {
-        "patches": patches.to(device),
-        "patch_coord": coords.to(device),
-        "patch_valid": valid.to(device),
+        "patches": rows.patches.float() / 255,
+        "patch_coord": rows.coords,
+        "patch_valid": rows.image_ids != PAD_ID,
     }
-    return net, net, inputs
+    return net, net, {key: value.to(device) for key, value in inputs.items()}
