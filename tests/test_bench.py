@@ -41,3 +41,16 @@ def test_attention_benchmark_measures_every_layout_on_the_same_images(tmp_path, 
         assert any(f"x the real patches/s of {compared}" in line for line in report["summary"]), compared
     assert len({r["images"] for r in results}) == 1  # every layout holds the same images
     assert all(r["step_ms"] > 0 and r["matmul_share"] > 0 for r in results)
+
+
+def test_step_benchmark_times_bare_and_lightning_steps_and_every_suspect(project_root, monkeypatch):
+    from navit_lightning.bench import step
+
+    monkeypatch.setenv("PROJECT_ROOT", str(project_root))
+    figures = step.measure([*TINY_RUN], steps=2, warmup=1, ablate=True)
+    expected = {"bare_before", "bare_after", "bare", "bare_with_loader", "lightning", "without all of them"}
+    expected |= {f"without {suspect}" for suspect in step.SUSPECTS}
+    assert set(figures) == expected
+    assert all(ms > 0 for ms in figures.values())
+    report = step.report(figures)
+    assert "over bare with the loader" in report and "Lightning step" in report

@@ -93,8 +93,10 @@ def as_run_here(command: str, run: str, images: Path) -> tuple[str, Path | None]
         flags = re.sub(r"[\[\]]", "", filled)
         shrunk = "--models navit_tiny --tokens 512 --row-len 256 --steps 1 --no-compile"
         return f"{flags} {shrunk} --backends sdpa segments", None
-    if filled.startswith("python -m navit_lightning.bench.data_loading"):
-        return filled.replace("[train.py overrides]", shlex.join([*TINY_SHAPES, "data.num_workers=0"])), None
+    if re.match(r"python -m navit_lightning\.bench\.(data_loading|step)", filled):
+        filled = filled.replace("[train.py overrides]", shlex.join([*TINY_SHAPES, "data.num_workers=0"]))
+        steps = " --steps 2 --warmup 1" if ".bench.step" in filled else ""
+        return re.sub(r"[\[\]]", "", filled) + steps, None
     if filled.startswith("sbatch scripts/train.sbatch"):  # no SLURM: one task, srun a pass-through
         return f"bash scripts/train.sbatch {filled.split(maxsplit=2)[2]} {shrink}", REPO
     if filled == 'pip install -e ".[cluster]"':  # installed by make's dev extra: the plugin imports

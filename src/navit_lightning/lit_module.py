@@ -18,6 +18,23 @@ OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer, int], torch.optim.lr_scheduler.LRScheduler]
 
 
+def image_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over the batch's real images. A sum divided by their count, not a
+    mean over slots: an all-padding filler batch (see PackedBatchSampler) then gives a zero
+    loss instead of NaN."""
+    loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_LABEL, reduction="sum")
+    return loss / max(len(labels), 1)
+
+
+def parameter_groups(module: nn.Module) -> list[dict]:
+    """No weight decay on biases, norms and other vectors (the usual ViT recipe)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2]},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+
+
 class NaViTClassifier(L.LightningModule):
     def __init__(
         self,
@@ -60,10 +77,7 @@ class NaViTClassifier(L.LightningModule):
         logits = self(batch)
         labels = batch.labels[batch.image_slots]
         num_images = len(labels)
-        # A sum over the real images, not a mean over slots: an all-padding filler batch
-        # (see PackedBatchSampler) then gives a zero loss instead of NaN.
-        loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_LABEL, reduction="sum")
-        loss = loss / max(num_images, 1)
+        loss = image_loss(logits, labels)
         if num_images:  # torchmetrics refuses empty inputs; its state syncs at compute anyway
             self.accuracy[f"{stage}_acc"].update(logits, labels)
         log = dict(batch_size=max(num_images, 1), sync_dist=stage != "train")
@@ -102,13 +116,7 @@ class NaViTClassifier(L.LightningModule):
             self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self) -> dict:
-        # No weight decay on biases, norms and other vectors (the usual ViT recipe).
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.ndim >= 2]},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ]
-        optimizer = self.optimizer_factory(params=groups)
+        optimizer = self.optimizer_factory(params=parameter_groups(self))
         if self.scheduler_factory is None:
             return {"optimizer": optimizer}
         scheduler = self.scheduler_factory(optimizer, self.trainer.estimated_stepping_batches)

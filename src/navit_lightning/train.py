@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import hydra
 import lightning as L
 import torch
@@ -21,8 +23,11 @@ from navit_lightning.utils.shutdown import end_promptly_on_signals, explain_coll
 from navit_lightning.utils.validate import check_launch
 
 
-def train(cfg: DictConfig) -> dict[str, float]:
-    """Fit (and optionally test) the model that `cfg` describes; returns the final metrics."""
+def build(
+    cfg: DictConfig, extra_callbacks: Sequence[L.Callback] = ()
+) -> tuple[L.LightningDataModule, L.LightningModule, L.Trainer]:
+    """The datamodule, model and trainer that `cfg` describes (the trainer with the config's
+    callbacks and loggers, then `extra_callbacks`)."""
     check_launch(cfg)
     L.seed_everything(cfg.seed, workers=True)
     torch.set_float32_matmul_precision("high")
@@ -31,12 +36,18 @@ def train(cfg: DictConfig) -> dict[str, float]:
         cfg.model.num_classes = datamodule.num_classes
     model: L.LightningModule = hydra.utils.instantiate(cfg.model)
     run_config = OmegaConf.to_container(cfg, resolve=True)
-    callbacks = [*instantiate_group(cfg.get("callbacks")), StoreRunConfig(run_config)]
+    callbacks = [*instantiate_group(cfg.get("callbacks")), StoreRunConfig(run_config), *extra_callbacks]
     loggers = instantiate_group(cfg.get("logger"))
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
-    log_config(cfg)
     for logger in trainer.loggers:
         logger.log_hyperparams(run_config)
+    return datamodule, model, trainer
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Fit (and optionally test) the model that `cfg` describes; returns the final metrics."""
+    datamodule, model, trainer = build(cfg)
+    log_config(cfg)
     rank_zero_info(
         f"world size {trainer.world_size} ({trainer.num_nodes} node(s) x {trainer.num_devices} device(s))"
     )

@@ -4,19 +4,36 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from einops import rearrange
-from PIL import Image, ImageOps
+from PIL import Image
 
 from navit_lightning.data.packing import ImageSample
 
-ORIENTATION_TAG = 0x0112  # EXIF orientation; 5..8 turn the image by 90 degrees
+ORIENTATION_TAG = 0x0112
+# EXIF orientation -> the transpose that turns the stored pixels upright; 5..8 swap the sides
+UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+SIDES_SWAPPED = {5, 6, 7, 8}
+
+
+def exif_orientation(image: Image.Image) -> int:
+    return image.getexif().get(ORIENTATION_TAG, 1)
 
 
 def upright_size(image: Image.Image) -> tuple[int, int]:
     """(height, width) once the EXIF orientation is applied, read without decoding."""
-    orientation = image.getexif().get(ORIENTATION_TAG, 1)
-    return (image.width, image.height) if orientation in (5, 6, 7, 8) else (image.height, image.width)
+    if exif_orientation(image) in SIDES_SWAPPED:
+        return image.width, image.height
+    return image.height, image.width
 
 
 def fit_grid(height: int, width: int, patch_size: int, max_patches: int) -> tuple[int, int]:
@@ -37,9 +54,10 @@ HIGH_BIT_DEPTH_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N"}
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """Any Pillow image as 8-bit RGB, upright: EXIF orientation applied, transparency laid
-    over white, 16/32-bit grey scaled to 8 bits (a plain convert would clip it to white)."""
-    image = ImageOps.exif_transpose(image)
+    """Any Pillow image as 8-bit RGB: transparency laid over white, 16/32-bit grey scaled to
+    8 bits (a plain convert would clip it to white)."""
+    if image.mode == "RGB":
+        return image
     if image.mode in HIGH_BIT_DEPTH_MODES:
         image = image.point(lambda value: value / 256).convert("L")
     if image.mode == "P":
@@ -54,24 +72,27 @@ def to_rgb(image: Image.Image) -> Image.Image:
 def image_to_sample(
     image: Image.Image, label: int, patch_size: int, max_patches: int, mirror: bool = False
 ) -> ImageSample:
-    """Resize to the fitted grid (mirrored left-right if asked) and cut into flattened uint8
-    patches in (p1 p2 c) order."""
+    """Resize to the fitted grid, turn upright (EXIF orientation), mirror left-right if asked,
+    and cut into flattened uint8 patches in (p1 p2 c) order."""
+    orientation = exif_orientation(image)
     height, width = upright_size(image)
     grid_h, grid_w = fit_grid(height, width, patch_size, max_patches)
     size = (grid_w * patch_size, grid_h * patch_size)
-    # A JPEG decodes straight at 1/2 .. 1/8 scale when the target is that much smaller
-    # (the size asked for is the stored one, before the EXIF turn).
-    image.draft("RGB", size if width == image.width else size[::-1])
+    # Resized before it is turned, the smaller image: in the stored orientation.
+    stored_size = size[::-1] if orientation in SIDES_SWAPPED else size
+    # A JPEG decodes straight at 1/2 .. 1/8 scale when the target is that much smaller.
+    image.draft("RGB", stored_size)
     image = to_rgb(image)
-    if image.size != size:
-        image = image.resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0)
+    if image.size != stored_size:
+        image = image.resize(stored_size, Image.Resampling.BICUBIC, reducing_gap=3.0)
+    if orientation in UPRIGHT:
+        image = image.transpose(UPRIGHT[orientation])
     if mirror:
-        image = ImageOps.mirror(image)
-    pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
-    pixels = pixels.view(size[1], size[0], 3)
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    pixels = torch.from_numpy(np.array(image))  # (height, width, 3)
     patches = rearrange(pixels, "(h p1) (w p2) c -> (h w) (p1 p2 c)", p1=patch_size, p2=patch_size)
-    ys, xs = torch.meshgrid(torch.arange(grid_h), torch.arange(grid_w), indexing="ij")
-    coords = torch.stack([ys.flatten(), xs.flatten()], dim=1)
+    index = torch.arange(grid_h * grid_w)
+    coords = torch.stack([index // grid_w, index % grid_w], dim=1)  # (row, col), row-major
     return ImageSample(patches, coords, (grid_h, grid_w), label)
 
 
