@@ -13,12 +13,15 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, ImageDraw
 from rich.progress import Progress
 
 CLASSES = ("circle", "square", "triangle", "cross", "star", "ring")
 SPLIT_SEED_OFFSET = {"train": 0, "val": 1_000_000, "test": 2_000_000}
 DONE_MARKER = "shapes.json"
+# Raised when the same spec draws other images: a finished copy of an older version is redrawn.
+GENERATOR_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -98,8 +101,11 @@ def render(label: int, rng: random.Random, spec: ShapesSpec) -> Image.Image:
     cx, cy = rng.uniform(r, width - r), rng.uniform(r, height - r)
     foreground = tuple(rng.randint(170, 255) if dark_background else rng.randint(0, 85) for _ in range(3))
     _draw_shape(draw, CLASSES[label], cx, cy, r, rng.uniform(0, 2 * math.pi), foreground)
-    noise = Image.effect_noise((width, height), rng.uniform(10, 40)).convert("RGB")
-    return Image.blend(image, noise, rng.uniform(0.05, 0.25))
+    # Drawn from the image's own seed: Pillow's effect_noise uses the C library's generator,
+    # whose state depends on which pool process drew which images before.
+    noise = np.random.default_rng(rng.getrandbits(64)).normal(128, rng.uniform(10, 40), (height, width))
+    noise_image = Image.fromarray(noise.clip(0, 255).astype(np.uint8)).convert("RGB")
+    return Image.blend(image, noise_image, rng.uniform(0.05, 0.25))
 
 
 def _write_one(job: tuple[Path, int, int, ShapesSpec]) -> None:
@@ -118,7 +124,8 @@ def generate(root: str | Path, spec: ShapesSpec = ShapesSpec(), workers: int = 2
     """Write root/{train,val,test}/<class>/*.{png,jpg} unless a finished copy of this spec is there."""
     root = Path(root)
     marker = root / DONE_MARKER
-    if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
+    finished = {**asdict(spec), "generator": GENERATOR_VERSION}
+    if marker.exists() and json.loads(marker.read_text()) == finished:
         return root
     counts = {"train": spec.num_train, "val": spec.num_val, "test": spec.num_test}
     marker.unlink(missing_ok=True)
@@ -133,5 +140,5 @@ def generate(root: str | Path, spec: ShapesSpec = ShapesSpec(), workers: int = 2
         task = progress.add_task(f"Generating the shapes data set in {root}", total=len(jobs))
         for _ in pool.map(_write_one, jobs, chunksize=64):
             progress.advance(task)
-    marker.write_text(json.dumps(asdict(spec)))
+    marker.write_text(json.dumps(finished))
     return root
