@@ -1,0 +1,101 @@
+"""Checkpoints a run can resume from: written atomically, periodically, and checked before
+a run starts from one."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from navit_lightning.errors import ConfigError
+
+# What Lightning's own ckpt_path accepts besides a file.
+LIGHTNING_CKPT_NAMES = {"last", "best", "hpc", "registry"}
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes each checkpoint next to its destination and renames it into place. Lightning's
+    own save goes through a temporary file in the system's temp folder and moves it: across
+    file systems (a node's /tmp, the cluster's shared disk) that move is a copy, and a kill
+    during it leaves a truncated checkpoint where the good one was."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.partial")
+        try:
+            torch.save(checkpoint, partial)
+            os.replace(partial, path)  # atomic within one file system
+        finally:
+            partial.unlink(missing_ok=True)
+
+
+class ResumeCheckpoint(ModelCheckpoint):
+    """`last.ckpt`, for resuming: every `every_n_train_steps` steps or `train_time_interval`
+    (not both, Lightning's rule), at the end of every training epoch, and when fit stops on
+    an exception or a signal. It monitors nothing, so unlike a ModelCheckpoint with a monitor
+    it never waits for the first validation (a crash in a long first epoch loses nothing)."""
+
+    def __init__(
+        self,
+        dirpath: str | Path,
+        every_n_train_steps: int | None = None,
+        train_time_interval: float | None = None,
+    ) -> None:
+        super().__init__(
+            dirpath=dirpath,
+            monitor=None,
+            save_top_k=0,
+            save_last=True,
+            every_n_train_steps=every_n_train_steps,
+            train_time_interval=timedelta(seconds=train_time_interval) if train_time_interval else None,
+            save_on_exception=True,
+            enable_version_counter=False,  # a resumed run overwrites last.ckpt, not last-v1.ckpt
+        )
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # after the epoch's validation: resuming from here starts the next epoch
+        if not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        # last.ckpt only: ModelCheckpoint would also write a step-named copy
+        if self._should_save_on_exception(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def check_checkpoint_file(ckpt_path: str | Path) -> None:
+    """Refuse, with the fix in one line, a ckpt_path that is not a whole checkpoint of this
+    project: missing, truncated (a kill during a copy), or another program's file."""
+    path = Path(ckpt_path)
+    if not path.is_file():
+        raise ConfigError(
+            f"ckpt_path={path} does not exist: pass a run's checkpoints/last.ckpt, or ckpt_path=last to "
+            "resume the run folder's own (hydra.run.dir=<that folder>)"
+        )
+    try:
+        with zipfile.ZipFile(path) as archive:
+            broken = archive.testzip()
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # torch and zipfile raise many kinds for a damaged file
+        raise ConfigError(f"ckpt_path={path} cannot be read ({error}): it is truncated or damaged") from None
+    if broken is not None:
+        raise ConfigError(f"ckpt_path={path} is damaged ({broken} fails its check): use another checkpoint")
+    if not isinstance(checkpoint, dict) or not {"state_dict", "run_config"} <= checkpoint.keys():
+        raise ConfigError(
+            f"ckpt_path={path} is not a checkpoint of navit_lightning's train.py (no state_dict and "
+            "run_config): pass one from logs/<task>/runs/<run>/checkpoints/"
+        )

@@ -1,0 +1,76 @@
+"""Checkpoints: written atomically, refused with one line when unusable, resumed with
+ckpt_path=last."""
+
+import pytest
+import torch
+
+from navit_lightning.errors import ConfigError
+from navit_lightning.utils.checkpoints import AtomicCheckpointIO, check_checkpoint_file
+from tests.conftest import TINY_RUN
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
+    io = AtomicCheckpointIO()
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    io.save_checkpoint({"step": 1}, path)
+
+    def killed_midway(obj, f, *args, **kwargs):
+        with open(f, "wb") as partial:
+            partial.write(b"PK\x03\x04 half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint({"step": 2}, path)
+    assert torch.load(path, weights_only=True) == {"step": 1}
+    assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]  # no partial file left
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "foreign", "not a zip"])
+def test_unusable_checkpoints_are_refused_with_the_fix(tmp_path, damage):
+    path = tmp_path / "last.ckpt"
+    good = {"state_dict": {"w": torch.zeros(1000)}, "run_config": {"seed": 1}}
+    if damage == "truncated":
+        torch.save(good, path)
+        path.write_bytes(path.read_bytes()[:-100])
+    elif damage == "foreign":
+        torch.save({"model": torch.zeros(3)}, path)
+    elif damage == "not a zip":
+        path.write_text("hello")
+    with pytest.raises(ConfigError, match=f"ckpt_path={path}"):
+        check_checkpoint_file(path)
+
+
+def test_a_whole_checkpoint_passes(tmp_path):
+    path = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {}, "run_config": {}}, path)
+    check_checkpoint_file(path)
+
+
+@pytest.mark.slow
+def test_periodic_last_checkpoint_before_validation_then_ckpt_path_last_resumes(run_entry_point):
+    run = run_entry_point.root / "run"
+    common = [*TINY_RUN, f"hydra.run.dir={run}", "callbacks.resume_checkpoint.train_time_interval=null"]
+    # Stopped at step 3 of the first epoch: no validation yet, last.ckpt from step 2.
+    every_2 = "callbacks.resume_checkpoint.every_n_train_steps=2"
+    run_entry_point("train.py", *common, every_2, "trainer.max_steps=3")
+    checkpoint = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] in (2, 3)
+    assert not list((run / "checkpoints").glob("epoch_*.ckpt"))  # the best-by-val/acc waits for validation
+
+    resumed = run_entry_point("train.py", *common, "ckpt_path=last", "trainer.max_epochs=2")
+    output = resumed.stdout + resumed.stderr
+    assert f"Restoring states from the checkpoint path at {run / 'checkpoints' / 'last.ckpt'}" in output
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 1  # the second
+    assert not list((run / "checkpoints").glob("last-*.ckpt"))
+
+
+@pytest.mark.slow
+def test_ckpt_path_last_without_a_checkpoint_starts_fresh_and_a_bad_one_is_refused(run_entry_point):
+    fresh = run_entry_point("train.py", *TINY_RUN, "ckpt_path=last")
+    assert "no last checkpoint" in fresh.stdout + fresh.stderr
+    bad = run_entry_point.root / "bad.ckpt"
+    bad.write_bytes(b"PK\x03\x04 truncated")
+    refused = run_entry_point("train.py", *TINY_RUN, f"ckpt_path={bad}", check=False)
+    assert refused.returncode == 2
+    assert f"error: ckpt_path={bad} cannot be read" in refused.stdout + refused.stderr
