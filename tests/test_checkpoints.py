@@ -74,3 +74,26 @@ def test_ckpt_path_last_without_a_checkpoint_starts_fresh_and_a_bad_one_is_refus
     refused = run_entry_point("train.py", *TINY_RUN, f"ckpt_path={bad}", check=False)
     assert refused.returncode == 2
     assert f"error: ckpt_path={bad} cannot be read" in refused.stdout + refused.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["error", "sigterm"])
+@pytest.mark.parametrize(
+    "ranks", [[], ["trainer.accelerator=cpu", "trainer.devices=2", "strategy=ddp"]], ids=["1", "ddp2"]
+)
+def test_an_error_or_a_signal_mid_epoch_leaves_last_ckpt_at_that_step(run_entry_point, how, ranks):
+    run = run_entry_point.root / "run"
+    result = run_entry_point(
+        "train.py",
+        *TINY_RUN,
+        *ranks,
+        f"hydra.run.dir={run}",
+        "+callbacks.interrupt._target_=tests.interruptions.InterruptAtStep",
+        "+callbacks.interrupt.step=3",  # of 8 in the first epoch: no epoch-end save yet
+        f"+callbacks.interrupt.how={how}",
+        check=False,
+    )
+    assert result.returncode != 0
+    checkpoints = run / "checkpoints"
+    assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 3
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]  # written once, nothing else

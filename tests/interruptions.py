@@ -1,0 +1,21 @@
+"""Callbacks that stop a run at a chosen training step, as a crash or a scheduler would."""
+
+import os
+import signal
+
+import lightning as L
+
+
+class InterruptAtStep(L.Callback):
+    """At global step `step`: raise an error (`how=error`), or send this process SIGTERM
+    (`how=sigterm`, what a cluster's scheduler sends before it stops a job)."""
+
+    def __init__(self, step: int, how: str) -> None:
+        self.step, self.how = step, how
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step != self.step:
+            return
+        if self.how == "error":
+            raise RuntimeError(f"interrupted at step {self.step} on purpose")
+        os.kill(os.getpid(), signal.SIGTERM)
