@@ -15,6 +15,7 @@ from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from navit_lightning.errors import ConfigError
+from navit_lightning.utils.shutdown import is_collective_failure
 
 # What Lightning's own ckpt_path accepts besides a file.
 LIGHTNING_CKPT_NAMES = {"last", "best", "hpc", "registry"}
@@ -72,6 +73,10 @@ class ResumeCheckpoint(ModelCheckpoint):
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
+        # Saving enters a barrier, which a broken process group cannot run: the collective's
+        # own one-line error (utils/shutdown.py) must not become the save's traceback.
+        if trainer.world_size > 1 and is_collective_failure(exception):
+            return
         # last.ckpt only: ModelCheckpoint would also write a step-named copy
         if self._should_save_on_exception(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

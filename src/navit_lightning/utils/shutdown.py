@@ -98,15 +98,23 @@ TIMED_OUT = "Timed out"
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
 
 
+def is_collective_failure(error: BaseException) -> bool:
+    """A collective timed out or lost a peer: the process group is of no more use."""
+    message = str(error)
+    return isinstance(error, RuntimeError) and (
+        TIMED_OUT in message or any(gone in message for gone in PEER_GONE)
+    )
+
+
 @contextmanager
 def explain_collective_failure(trainer: L.Trainer) -> Iterator[None]:
     """A collective that timed out or lost its peer becomes one line and exit code 3."""
     try:
         yield
     except RuntimeError as error:
-        message = str(error)
-        if not (TIMED_OUT in message or any(gone in message for gone in PEER_GONE)):
+        if not is_collective_failure(error):
             raise
+        message = str(error)
         module = trainer.lightning_module
         hook = getattr(module, "_current_fx_name", None) or "an unknown hook"
         if TIMED_OUT in message:
