@@ -33,6 +33,7 @@ def config(*overrides: str):
         (0, ["model.net.attention=varlen"], "varlen is flash attention on CUDA: on CPU use"),
         (2, ["model.net.attention=varlen"], "needs bf16 or fp16 but trainer.precision=32-true"),
         (0, ["model.net.attention=flex"], "flex cannot train on CPU"),
+        (0, ["~logger"], "callbacks.learning_rate_monitor needs a logger: with ~logger add"),
     ],
 )
 def test_refused(monkeypatch, gpus, overrides, message):
@@ -59,6 +60,7 @@ def test_refused(monkeypatch, gpus, overrides, message):
         (0, ["trainer.strategy=ddp_spawn", "trainer.accelerator=cpu"]),
         (2, ["model.net.attention=varlen", "trainer.precision=bf16-mixed"]),
         (2, ["model.net.attention=flex"]),
+        (0, ["~logger", "callbacks.learning_rate_monitor=null"]),
     ],
 )
 def test_allowed(monkeypatch, gpus, overrides):
@@ -74,6 +76,7 @@ def test_allowed(monkeypatch, gpus, overrides):
         (["strategy=dp", "trainer.devices=2"], "on CPU use strategy=ddp trainer.accelerator=cpu"),
         (["trainer.sync_batchnorm=true", "model.head=bn_mlp"], "sync_batchnorm=true needs CUDA GPUs"),
         (["trainer.strategy=foo"], "trainer.strategy=foo is unknown"),
+        (["~logger"], "callbacks.learning_rate_monitor needs a logger"),
         (["data.max_patches=200"], "data.max_patches=200 exceeds data.row_len=144"),
         (["model.head=mlp"], "model.head='mlp' is unknown: use one of ['bn_mlp', 'linear']"),
         (["model.net.attention=dense"], "model.net.attention='dense' is unknown"),

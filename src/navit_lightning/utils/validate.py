@@ -52,6 +52,12 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
         check_dp(cfg, on_gpu)
     if training:
         check_attention(cfg.model.net.attention, on_gpu, str(trainer.precision))
+        if not cfg.get("logger") and (cfg.get("callbacks") or {}).get("learning_rate_monitor"):
+            # Lightning's LearningRateMonitor fails at the start of fit without a logger
+            raise ConfigError(
+                "callbacks.learning_rate_monitor needs a logger: with ~logger add "
+                "callbacks.learning_rate_monitor=null, or keep logger=tensorboard"
+            )
         ckpt_path = cfg.get("ckpt_path")
         if ckpt_path is not None and ckpt_path not in LIGHTNING_CKPT_NAMES:
             check_checkpoint_file(ckpt_path)
