@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from navit_lightning.errors import ConfigError
-from navit_lightning.utils.checkpoints import AtomicCheckpointIO, check_checkpoint_file
+from navit_lightning.utils.checkpoints import AtomicCheckpointIO, read_checkpoint
 from tests.conftest import TINY_RUN
 
 
@@ -38,13 +38,13 @@ def test_unusable_checkpoints_are_refused_with_the_fix(tmp_path, damage):
     elif damage == "not a zip":
         path.write_text("hello")
     with pytest.raises(ConfigError, match=f"ckpt_path={path}"):
-        check_checkpoint_file(path)
+        read_checkpoint(path)
 
 
 def test_a_whole_checkpoint_passes(tmp_path):
     path = tmp_path / "last.ckpt"
-    torch.save({"state_dict": {}, "run_config": {}}, path)
-    check_checkpoint_file(path)
+    torch.save({"state_dict": {}, "run_config": {"seed": 1}}, path)
+    assert read_checkpoint(path)["run_config"] == {"seed": 1}
 
 
 @pytest.mark.slow
@@ -97,3 +97,11 @@ def test_an_error_or_a_signal_mid_epoch_leaves_last_ckpt_at_that_step(run_entry_
     checkpoints = run / "checkpoints"
     assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 3
     assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]  # written once, nothing else
+
+
+@pytest.mark.slow
+def test_eval_refuses_a_missing_checkpoint_with_one_line(run_entry_point):
+    missing = run_entry_point.root / "nowhere.ckpt"
+    refused = run_entry_point("eval.py", f"ckpt_path={missing}", check=False)
+    assert refused.returncode == 2
+    assert f"error: ckpt_path={missing} does not exist" in refused.stdout + refused.stderr

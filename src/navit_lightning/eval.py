@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import hydra
 import lightning as L
-import torch
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning import CONFIG_DIR
+from navit_lightning.utils.checkpoints import read_checkpoint
 from navit_lightning.utils.entry_point import (
     prepare_command_line,
     refuse_bad_input,
@@ -23,17 +21,7 @@ from navit_lightning.utils.validate import check_launch
 
 def load_run_config(ckpt_path: str) -> DictConfig:
     """The training config stored in a checkpoint by StoreRunConfig."""
-    path = Path(ckpt_path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"checkpoint {path} does not exist: pass ckpt_path=<run>/checkpoints/last.ckpt"
-        )
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    if "run_config" not in checkpoint:
-        raise KeyError(
-            f"checkpoint {path} holds no run_config: it was not written by navit_lightning's train.py"
-        )
-    return OmegaConf.create(checkpoint["run_config"])
+    return OmegaConf.create(read_checkpoint(ckpt_path)["run_config"])
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:

@@ -43,10 +43,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from hydra import compose, initialize_config_dir
 
-from navit_lightning import CONFIG_DIR
-from navit_lightning.bench import peers
+from navit_lightning.bench import peers, train_config
 from navit_lightning.data.packing import ImageSample, PackedBatch, PackedShape, first_fit_decreasing, pack
 from navit_lightning.models import NaViT
 from navit_lightning.models.attention import varlen_available
@@ -137,8 +135,7 @@ def timed_once(step: Callable[[], object], device: torch.device) -> float:
 
 def architecture(model: str, overrides: list[str]) -> dict:
     """The network settings of a model config, with Hydra overrides (`model.net.depth=6`)."""
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=[f"model={model}", *overrides])
+    cfg = train_config([f"model={model}", *overrides])
     arch = {k: v for k, v in cfg.model.net.items() if k != "_target_"}
     arch["max_grid"] = 64
     return arch

@@ -15,24 +15,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from pathlib import Path
 
 import hydra
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from navit_lightning import CONFIG_DIR
+from navit_lightning.bench import train_config
 from navit_lightning.data.datamodule import PackedImageDataModule
 
 
 def measure(overrides: list[str], batches: int) -> dict[str, float]:
-    os.environ.setdefault("PROJECT_ROOT", str(Path(CONFIG_DIR).parent))
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
+    cfg = train_config(overrides)
     datamodule: PackedImageDataModule = hydra.utils.instantiate(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("fit")

@@ -25,7 +25,6 @@ import argparse
 import copy
 import itertools
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -36,10 +35,9 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
-from hydra import compose, initialize_config_dir
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
-from navit_lightning import CONFIG_DIR
+from navit_lightning.bench import train_config
 from navit_lightning.data.packing import PackedBatch
 from navit_lightning.lit_module import NaViTClassifier, image_loss, parameter_groups
 from navit_lightning.train import build
@@ -72,11 +70,6 @@ class StepClock(L.Callback):
         return (starts[-1] - starts[0]) / (len(starts) - 1) * 1e3
 
 
-def compose_config(overrides: list[str]) -> Any:
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose("train", overrides=overrides)
-
-
 def lightning_step_ms(overrides: list[str], warmup: int, steps: int) -> float:
     """Mean time of a Lightning training step of train.py's trainer for `overrides`."""
     clock = StepClock()
@@ -87,7 +80,7 @@ def lightning_step_ms(overrides: list[str], warmup: int, steps: int) -> float:
             f"trainer.max_steps={warmup + steps + 1}",
             "trainer.max_epochs=-1",  # as many epochs as the steps take
         ]
-        datamodule, model, trainer = build(compose_config(run), [clock])
+        datamodule, model, trainer = build(train_config(run), [clock])
         trainer.fit(model, datamodule=datamodule)
     return clock.mean_ms(warmup)
 
@@ -124,9 +117,8 @@ def bare_step_ms(
 
 def measure(overrides: list[str], steps: int, warmup: int, ablate: bool) -> dict[str, float]:
     """Step times in ms: bare (before and after), lightning, and `without <suspect>`."""
-    os.environ.setdefault("PROJECT_ROOT", str(Path(CONFIG_DIR).parent))
     with tempfile.TemporaryDirectory() as output_dir:
-        cfg = compose_config([*overrides, f"paths.output_dir={output_dir}"])
+        cfg = train_config([*overrides, f"paths.output_dir={output_dir}"])
         datamodule, model, trainer = build(cfg)
     deterministic = (
         torch.are_deterministic_algorithms_enabled(),

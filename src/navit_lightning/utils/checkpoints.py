@@ -82,14 +82,14 @@ class ResumeCheckpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
-def check_checkpoint_file(ckpt_path: str | Path) -> None:
-    """Refuse, with the fix in one line, a ckpt_path that is not a whole checkpoint of this
-    project: missing, truncated (a kill during a copy), or another program's file."""
+def read_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
+    """A whole checkpoint of this project's train.py (memory-mapped), or a ConfigError whose
+    one line names the fix: missing, truncated (a kill during a copy), or another program's."""
     path = Path(ckpt_path)
     if not path.is_file():
         raise ConfigError(
-            f"ckpt_path={path} does not exist: pass a run's checkpoints/last.ckpt, or ckpt_path=last to "
-            "resume the run folder's own (hydra.run.dir=<that folder>)"
+            f"ckpt_path={path} does not exist: pass a run's checkpoint, e.g. "
+            "logs/train/runs/<run>/checkpoints/last.ckpt (train.py also takes ckpt_path=last)"
         )
     try:
         with zipfile.ZipFile(path) as archive:
@@ -104,3 +104,4 @@ def check_checkpoint_file(ckpt_path: str | Path) -> None:
             f"ckpt_path={path} is not a checkpoint of navit_lightning's train.py (no state_dict and "
             "run_config): pass one from logs/<task>/runs/<run>/checkpoints/"
         )
+    return checkpoint

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError
-from navit_lightning.utils.checkpoints import LIGHTNING_CKPT_NAMES, check_checkpoint_file
+from navit_lightning.utils.checkpoints import LIGHTNING_CKPT_NAMES, read_checkpoint
 
 GPU_ACCELERATORS = {"gpu", "cuda"}
 # Lightning turns 16-mixed into bf16-mixed on CPU with only a warning.
@@ -60,7 +60,7 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
             )
         ckpt_path = cfg.get("ckpt_path")
         if ckpt_path is not None and ckpt_path not in LIGHTNING_CKPT_NAMES:
-            check_checkpoint_file(ckpt_path)
+            read_checkpoint(ckpt_path)
 
 
 def check_attention(backend: str, on_gpu: bool, precision: str) -> None:
