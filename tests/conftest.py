@@ -35,6 +35,17 @@ TINY_TRAINING = [
 TINY_RUN = TINY_SHAPES + TINY_TRAINING
 
 
+def logged_scalars(events: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in a TensorBoard event file, or in all of a folder's: tag -> (step, value)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(events))
+    accumulator.Reload()
+    return {
+        tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]
+    }
+
+
 @pytest.fixture(scope="session")
 def project_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A PROJECT_ROOT for subprocess runs, its data/ holding the tiny shapes set."""

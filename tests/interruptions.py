@@ -8,7 +8,8 @@ import lightning as L
 
 class InterruptAtStep(L.Callback):
     """At global step `step`: raise an error (`how=error`), or send this process SIGTERM
-    (`how=sigterm`, what a cluster's scheduler sends before it stops a job)."""
+    (`how=sigterm`, what a cluster's scheduler sends before it stops a job) or SIGKILL
+    (`how=sigkill`, a node lost: nothing runs after it)."""
 
     def __init__(self, step: int, how: str) -> None:
         self.step, self.how = step, how
@@ -18,4 +19,4 @@ class InterruptAtStep(L.Callback):
             return
         if self.how == "error":
             raise RuntimeError(f"interrupted at step {self.step} on purpose")
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGKILL if self.how == "sigkill" else signal.SIGTERM)

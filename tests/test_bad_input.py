@@ -3,7 +3,6 @@ counted, and a root that cannot train is refused with one line."""
 
 import io
 import logging
-import random
 import re
 
 import pytest
@@ -111,9 +110,7 @@ def test_unreadable_files_are_left_out_at_scan_and_truncated_ones_when_decoded(t
     assert "truncated.jpg" not in caplog.text
 
     caplog.clear()
-    keys = SizePolicy(patch_size=16, max_patches=64).keys(
-        dataset.sizes, range(len(dataset)), random.Random(0)
-    )
+    keys = SizePolicy(patch_size=16, max_patches=64).keys(dataset.sizes, seed=0, epoch=0)
     with caplog.at_level(logging.WARNING):
         samples = [dataset[key] for key in keys] + [dataset[key] for key in keys]
     names = [path.name for path, _ in dataset.items]

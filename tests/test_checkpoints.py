@@ -1,12 +1,14 @@
 """Checkpoints: written atomically, refused with one line when unusable, resumed with
 ckpt_path=last."""
 
+import signal
+
 import pytest
 import torch
 
 from navit_lightning.errors import ConfigError
 from navit_lightning.utils.checkpoints import AtomicCheckpointIO, read_checkpoint
-from tests.conftest import TINY_RUN
+from tests.conftest import TINY_RUN, TINY_SHAPES, logged_scalars
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
@@ -105,3 +107,49 @@ def test_eval_refuses_a_missing_checkpoint_with_one_line(run_entry_point):
     refused = run_entry_point("eval.py", f"ckpt_path={missing}", check=False)
     assert refused.returncode == 2
     assert f"error: ckpt_path={missing} does not exist" in refused.stdout + refused.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "ranks", [[], ["trainer.accelerator=cpu", "trainer.devices=2", "strategy=ddp"]], ids=["1", "ddp2"]
+)
+def test_a_run_killed_mid_epoch_resumes_exactly(run_entry_point, ranks):
+    """The default model and loader (a worker, flips, variable sizes) over one epoch: killed
+    after the checkpoint at step 2 and resumed with ckpt_path=last, it logs the same loss at
+    every step from there and ends with the same weights as the run that was never stopped."""
+    command = [
+        *TINY_SHAPES,
+        *ranks,
+        "data.rows=4",
+        "trainer.max_epochs=1",
+        "trainer.log_every_n_steps=1",
+        "callbacks.resume_checkpoint.every_n_train_steps=2",
+        "callbacks.resume_checkpoint.train_time_interval=null",
+    ]
+    whole, stopped = run_entry_point.root / "whole", run_entry_point.root / "stopped"
+    run_entry_point("train.py", *command, f"hydra.run.dir={whole}")
+    killed = run_entry_point(
+        "train.py",
+        *command,
+        f"hydra.run.dir={stopped}",
+        "+callbacks.interrupt._target_=tests.interruptions.InterruptAtStep",
+        "+callbacks.interrupt.step=3",
+        "+callbacks.interrupt.how=sigkill",
+        check=False,
+    )
+    assert killed.returncode == -signal.SIGKILL
+    assert torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    first_events = set((stopped / "tensorboard").iterdir())
+    run_entry_point("train.py", *command, f"hydra.run.dir={stopped}", "ckpt_path=last")
+
+    resumed = [
+        value
+        for events in sorted(set((stopped / "tensorboard").iterdir()) - first_events)
+        for value in logged_scalars(events).get("train/loss_step", [])
+    ]
+    expected = logged_scalars(whole / "tensorboard")["train/loss_step"]
+    assert len(expected) >= 4 and resumed == [(step, loss) for step, loss in expected if step >= 2]
+    ends = [torch.load(run / "checkpoints" / "last.ckpt", weights_only=True) for run in (whole, stopped)]
+    assert ends[0]["global_step"] == ends[1]["global_step"] == len(expected)
+    assert ends[0]["state_dict"].keys() == ends[1]["state_dict"].keys()
+    assert all(torch.equal(ends[0]["state_dict"][k], ends[1]["state_dict"][k]) for k in ends[0]["state_dict"])

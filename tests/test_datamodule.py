@@ -1,5 +1,7 @@
 import shutil
 
+import torch
+
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.data.packing import PackedBatch
 
@@ -55,3 +57,51 @@ def test_batches_deliver_exactly_the_planned_sizes(project_root):
         # Dropped tokens keep their place in the image grid.
         real = batch.image_ids >= 0
         assert (batch.coords[real] < batch.grid.max()).all()
+
+
+def augmenting_datamodule(root, num_workers: int) -> PackedImageDataModule:
+    """Every random choice on: patch budgets, token drops, flips."""
+    datamodule = PackedImageDataModule(
+        str(root),
+        patch_size=16,
+        max_patches=64,
+        min_patches=4,
+        token_drop_beta=(2.0, 6.0),
+        rows=4,
+        row_len=64,
+        num_workers=num_workers,
+        seed=5,
+    )
+    datamodule.setup("fit")
+    return datamodule
+
+
+def assert_same_batches(first: list[PackedBatch], second: list[PackedBatch]) -> None:
+    assert len(first) == len(second)
+    for a, b in zip(first, second, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_a_resumed_loader_delivers_the_rest_of_the_epoch_whatever_its_workers(project_root):
+    root = project_root / "data" / "shapes"
+    uninterrupted = augmenting_datamodule(root, num_workers=0).train_dataloader()
+    whole = list(uninterrupted)
+    assert len(whole) > 6
+    assert_same_batches(list(augmenting_datamodule(root, num_workers=2).train_dataloader()), whole)
+
+    # Interrupted after 3 training steps: the two workers had read further ahead.
+    done = 3
+    running = augmenting_datamodule(root, num_workers=2)
+    loader = running.train_dataloader()
+    batches = iter(loader)
+    for _ in range(done + 2):
+        next(batches)
+    loader.batches_done = lambda: done  # what Lightning's loop reports after 3 steps
+    checkpoint = {"datamodule": running.state_dict() or {"train_position": loader.state_dict()}}
+    del batches
+
+    resumed = augmenting_datamodule(root, num_workers=1)
+    resumed.load_state_dict(checkpoint["datamodule"])
+    rest = resumed.train_dataloader()
+    assert len(rest) == len(whole)
+    assert_same_batches(list(rest), whole[done:])

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tests.conftest import TINY_RUN
+from tests.conftest import TINY_RUN, logged_scalars
 
 pytestmark = pytest.mark.slow
 
@@ -116,14 +116,6 @@ def test_multirun_with_ddp_runs_each_job_once_in_its_folder(run_entry_point):
         assert_written_once_by_rank_zero(sweep / job, steps_per_rank=10)
 
 
-def logged_scalars(run) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run / "tensorboard"))
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-
-
 def test_same_seed_same_command_same_losses(run_entry_point):
     """The default trainer.deterministic with a loader worker (its random flips and patch
     budgets): two runs log the same losses at every step, bit for bit."""
@@ -131,7 +123,7 @@ def test_same_seed_same_command_same_losses(run_entry_point):
     for name in ("first", "second"):
         run = run_entry_point.root / name
         run_entry_point("train.py", *TINY_RUN, "data.num_workers=1", f"hydra.run.dir={run}")
-        runs.append(logged_scalars(run))
+        runs.append(logged_scalars(run / "tensorboard"))
     first, second = runs
     assert len(first["train/loss_step"]) > 5
     for tag in ("train/loss_step", "val/loss", "val/acc", "test/acc"):

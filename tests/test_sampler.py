@@ -5,6 +5,7 @@ import pytest
 from navit_lightning.data.packing import PackedShape
 from navit_lightning.data.sampler import PackedBatchSampler, SampleKey, SizePolicy
 from navit_lightning.data.transforms import fit_grid
+from navit_lightning.errors import DataError
 
 SHAPE = PackedShape(rows=4, row_len=64, max_images=8)
 FIXED = SizePolicy(patch_size=8, max_patches=64)
@@ -53,7 +54,7 @@ def test_every_rank_plans_the_same_sizes():
 
 def test_keys_follow_the_policy():
     sizes = image_sizes(500)
-    keys = VARIABLE.keys(sizes, range(len(sizes)), random.Random(0))
+    keys = VARIABLE.keys(sizes, seed=0, epoch=0)
     budgets = {key.max_patches for key in keys}
     assert min(budgets) == 4 and max(budgets) == 64
     patches = [fit_grid(*sizes[k.index], 8, k.max_patches) for k in keys]
@@ -64,16 +65,14 @@ def test_keys_follow_the_policy():
     assert 0.15 < dropped < 0.35  # Beta(2, 6) has mean 0.25
 
     full = [fit_grid(*size, 8, 64) for size in sizes[:50]]
-    constant = SizePolicy(patch_size=8, max_patches=64, drop_rate=0.5).keys(
-        sizes, range(50), random.Random(0)
-    )
+    constant = SizePolicy(patch_size=8, max_patches=64, drop_rate=0.5).keys(sizes[:50], seed=0, epoch=0)
     assert all(k.keep == max(1, round(h * w * 0.5)) for k, (h, w) in zip(constant, full, strict=True))
     by_resolution = SizePolicy(patch_size=8, max_patches=64, drop_rate=0.5, drop_by_resolution=True)
-    for k, (h, w) in zip(by_resolution.keys(sizes, range(50), None), full, strict=True):
+    for k, (h, w) in zip(by_resolution.keys(sizes[:50], seed=0, epoch=0), full, strict=True):
         assert k.keep == max(1, round(h * w * (1 - 0.5 * h * w / 64)))
     assert all(
         k.max_patches == 64 and k.keep == h * w
-        for k, (h, w) in zip(FIXED.keys(sizes, range(50), None), full, strict=True)
+        for k, (h, w) in zip(FIXED.keys(sizes[:50], seed=0, epoch=0), full, strict=True)
     )
 
 
@@ -95,7 +94,11 @@ def test_set_epoch_reshuffles_and_redraws_deterministically():
     assert rank_batches(sizes, 2, epoch=1) == rank_batches(sizes, 2, epoch=1)
     assert rank_batches(sizes, 2, epoch=1) != rank_batches(sizes, 2, epoch=2)
     unshuffled = [rank_batches(sizes, 2, epoch=e, policy=FIXED, shuffle=False) for e in (1, 2)]
-    assert unshuffled[0] == unshuffled[1]
+    # The same images at the same sizes, with new per-image seeds (new flips) every epoch.
+    sized = [[[key[:3] for key in batch] for batches in plan for batch in batches] for plan in unshuffled]
+    assert sized[0] == sized[1]
+    seeds = [{key.seed for batches in plan for batch in batches for key in batch} for plan in unshuffled]
+    assert seeds[0].isdisjoint(seeds[1])
 
 
 def test_variable_sizes_fill_the_batches():
@@ -103,3 +106,63 @@ def test_variable_sizes_fill_the_batches():
     # The last few batches take what is left of the epoch.
     fills = [sum(key.keep for key in batch) / (SHAPE.rows * SHAPE.row_len) for batch in batches[:-3]]
     assert sum(fills) / len(fills) > 0.98 and min(fills) > 0.9, fills
+
+
+def samplers(sizes, world: int) -> list[PackedBatchSampler]:
+    return [
+        PackedBatchSampler(
+            sizes, SHAPE, VARIABLE, shuffle=True, seed=3, lookahead=64, num_replicas=world, rank=r
+        )
+        for r in range(world)
+    ]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("stop", ["first", "second", "middle", "last"])
+def test_an_epoch_interrupted_and_resumed_sees_every_image_once(world, stop):
+    sizes = image_sizes(300)
+    running = samplers(sizes, world)
+    for sampler in running:
+        sampler.sampler.set_epoch(2)
+    whole = [list(sampler) for sampler in running]
+    stop = {"first": 0, "second": 1, "middle": len(whole[0]) // 2, "last": len(whole[0]) - 1}[stop]
+    position = running[0].position(stop)
+    assert all(sampler.position(stop) == position for sampler in running)  # rank 0 saves it for all
+
+    resumed = samplers(sizes, world)  # new processes: their samplers start at epoch 0
+    for sampler in resumed:
+        sampler.resume(position)
+    rest = [list(sampler) for sampler in resumed]
+    assert [batches[:stop] + after for batches, after in zip(whole, rest, strict=True)] == whole
+    seen = [key.index for batches in whole for batch in batches[:stop] for key in batch]
+    seen += [key.index for batches in rest for batch in batches for key in batch]
+    assert sorted(seen) == list(range(len(sizes)))
+    # Lightning counts the epoch's whole length (it adds the batches it already did).
+    assert all(len(sampler) == len(whole[0]) for sampler in resumed)
+    for sampler in resumed:
+        sampler.sampler.set_epoch(3)
+    assert [list(sampler) for sampler in resumed] == rank_batches(sizes, world, epoch=3)
+
+
+def test_a_position_at_the_end_of_an_epoch_starts_the_next_one():
+    sizes = image_sizes(300)
+    (running,) = samplers(sizes, 1)
+    running.sampler.set_epoch(4)
+    position = running.position(len(running))
+    for world in (1, 2):  # another rank count is fine between epochs
+        resumed = samplers(sizes, world)
+        for sampler in resumed:
+            sampler.resume(position)
+        assert [list(sampler) for sampler in resumed] == rank_batches(sizes, world, epoch=5)
+
+
+def test_resuming_mid_epoch_on_other_ranks_or_data_is_refused():
+    sizes = image_sizes(300)
+    (running,) = samplers(sizes, 1)
+    position = running.position(3)
+    (other_ranks, _) = samplers(sizes, 2)
+    with pytest.raises(DataError, match=r"after batch 3 of epoch 0 on 1 rank\(s\), this run has 2"):
+        other_ranks.resume(position)
+    (other_data,) = samplers(sizes[:-1], 1)
+    with pytest.raises(DataError, match="planned from other data"):
+        other_data.resume(position)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -16,7 +18,23 @@ from navit_lightning.data.folder import ImageFolder, check_class_folders, find_c
 from navit_lightning.data.packing import PackCollate, PackedShape
 from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
 from navit_lightning.errors import DataError
-from navit_lightning.strategies import devices_per_process
+
+
+class TrainLoader(DataLoader):
+    """The training loader, resumable mid-epoch through Lightning's `_Stateful` protocol
+    (its state goes into every checkpoint): the epoch, and how many of its batches the
+    training step finished on every rank, which `batches_done` reports. The loader cannot
+    count them itself: its workers and Lightning's fetcher read batches ahead."""
+
+    def __init__(self, *args: Any, batches_done: Callable[[], int], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches_done = batches_done
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.batch_sampler.position(self.batches_done())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.batch_sampler.resume(state_dict)
 
 
 class PackedImageDataModule(L.LightningDataModule):
@@ -76,6 +94,7 @@ class PackedImageDataModule(L.LightningDataModule):
                 "an image would not fit a row; raise data.row_len or lower data.max_patches"
             )
         self.datasets: dict[str, ImageFolder] = {}
+        self._train_position: dict[str, Any] | None = None  # from a checkpoint, for train_dataloader
 
     @property
     def num_classes(self) -> int:
@@ -124,7 +143,8 @@ class PackedImageDataModule(L.LightningDataModule):
 
     @property
     def _devices_per_process(self) -> int:
-        return devices_per_process(self.trainer.strategy) if self.trainer else 1
+        # Several under strategy=dp (PackedDataParallelStrategy), one process per device else.
+        return getattr(self.trainer.strategy, "devices_per_process", 1) if self.trainer else 1
 
     @property
     def process_shape(self) -> PackedShape:
@@ -150,14 +170,21 @@ class PackedImageDataModule(L.LightningDataModule):
 
     def _loader(self, split: str) -> DataLoader:
         workers = self._num_workers()
-        return DataLoader(
-            self.datasets[split],
+        options: dict[str, Any] = dict(
             batch_sampler=self.batch_sampler(split),
             collate_fn=PackCollate(self.process_shape, self.patch_size**2 * 3),
             num_workers=workers,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=workers > 0,
         )
+        if split == "train":
+            return TrainLoader(self.datasets[split], batches_done=self._train_batches_done, **options)
+        return DataLoader(self.datasets[split], **options)
+
+    def _train_batches_done(self) -> int:
+        """The batches of this epoch whose training step finished: Lightning's own count,
+        the one its loops resume from."""
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed if self.trainer else 0
 
     def _num_workers(self) -> int:
         if self.num_workers is not None:
@@ -168,8 +195,22 @@ class PackedImageDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         loader = self._loader("train")
+        if self._train_position is not None:
+            loader.load_state_dict(self._train_position)
+            self._train_position = None
         self._report_effective_batch(loader.batch_sampler)
         return loader
+
+    # The training position is saved twice: in the loader's state, as Lightning asks, and
+    # here. Lightning restores a loader's state only if the loader did not exist before the
+    # checkpoint was read, but configure_optimizers builds it (estimated_stepping_batches,
+    # Lightning issue 20550); a datamodule's state is restored before anything is built.
+    def state_dict(self) -> dict[str, Any]:
+        loader = self.trainer.train_dataloader if self.trainer else None
+        return {"train_position": loader.state_dict()} if isinstance(loader, TrainLoader) else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._train_position = state_dict.get("train_position")
 
     def _report_effective_batch(self, sampler: PackedBatchSampler) -> None:
         """Print and log what one optimizer step consumes: a token budget, not an image count."""

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-import random
 from pathlib import Path
 
+import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
@@ -59,7 +59,8 @@ def list_images(root: Path, classes: list[str]) -> list[tuple[Path, int]]:
 class ImageFolder(Dataset):
     """Images as ImageSample patches at the size a SampleKey asks for (native resolution
     capped by its patch budget, some tokens dropped), mirrored left-right with probability
-    hflip (a training augmentation; 0 for evaluation).
+    hflip (a training augmentation; 0 for evaluation); the key's seed picks the dropped
+    tokens and the flip.
 
     Files whose header cannot be read are left out when the folder is scanned; an image
     that fails to decode later (a truncated file) makes __getitem__ return None, which the
@@ -96,11 +97,12 @@ class ImageFolder(Dataset):
     def __getitem__(self, key: SampleKey) -> ImageSample | None:
         index = key.index
         path, label = self.items[index]
+        rng = np.random.default_rng(key.seed)  # not the worker's: see SizePolicy.keys
         try:
             with Image.open(path) as image:
-                mirror = random.random() < self.hflip
+                mirror = rng.random() < self.hflip
                 sample = image_to_sample(image, label, self.patch_size, key.max_patches, mirror)
-            return drop_tokens(sample, key.keep)
+            return drop_tokens(sample, key.keep, rng)
         except UNREADABLE as error:
             with self.unreadable_this_epoch.get_lock():
                 self.unreadable_this_epoch.value += 1

@@ -108,6 +108,12 @@ class PackedDataParallelStrategy(ParallelStrategy):
         self._row_parallel: RowParallel | None = None
 
     @property
+    def devices_per_process(self) -> int:
+        """The devices that share this process's batch (read by the datamodule: it gives the
+        process that many devices' rows)."""
+        return len(self.parallel_devices or [None])
+
+    @property
     def root_device(self) -> torch.device:
         assert self.parallel_devices, "parallel_devices are set by the Trainer"
         return self.parallel_devices[0]
@@ -187,10 +193,3 @@ class PackedDataParallelStrategy(ParallelStrategy):
     def teardown(self) -> None:
         self._row_parallel = None
         super().teardown()
-
-
-def devices_per_process(strategy: Any) -> int:
-    """How many devices share one process's batch: several under dp, else one."""
-    if isinstance(strategy, PackedDataParallelStrategy):
-        return len(strategy.parallel_devices or [None])
-    return 1
