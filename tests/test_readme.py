@@ -98,7 +98,7 @@ def as_run_here(command: str, run: str, images: Path) -> tuple[str, Path | None]
         steps = " --steps 2 --warmup 1" if ".bench.step" in filled else ""
         return re.sub(r"[\[\]]", "", filled) + steps, None
     if filled.startswith("sbatch scripts/train.sbatch"):  # no SLURM: one task, srun a pass-through
-        return f"bash scripts/train.sbatch {filled.split(maxsplit=2)[2]} {shrink}", REPO
+        return f"bash scripts/train.sbatch {' '.join(filled.split(maxsplit=2)[2:])} {shrink}", REPO
     if filled == 'pip install -e ".[cluster]"':  # installed by make's dev extra: the plugin imports
         return f"{sys.executable} -c 'import hydra_plugins.hydra_submitit_launcher.submitit_launcher'", None
     if filled == "make train":
