@@ -2,13 +2,12 @@
 ckpt_path=last."""
 
 import signal
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from navit_lightning.errors import ConfigError
-from navit_lightning.utils.checkpoints import AtomicCheckpointIO, ResumeCheckpoint, read_checkpoint
+from navit_lightning.utils.checkpoints import AtomicCheckpointIO, read_checkpoint
 from tests.conftest import TINY_RUN, TINY_SHAPES, logged_scalars
 
 
@@ -164,16 +163,3 @@ def test_a_run_killed_mid_epoch_resumes_exactly(run_entry_point, ranks):
     assert ends[0]["global_step"] == ends[1]["global_step"] == len(expected)
     assert ends[0]["state_dict"].keys() == ends[1]["state_dict"].keys()
     assert all(torch.equal(ends[0]["state_dict"][k], ends[1]["state_dict"][k]) for k in ends[0]["state_dict"])
-
-
-def test_a_system_exit_on_one_of_several_ranks_saves_nothing(tmp_path):
-    """submitit's handler exits global rank 0 alone: a save there would wait in a barrier
-    that the other ranks never enter. One process, or an error every rank raised, saves."""
-    callback = ResumeCheckpoint(dirpath=tmp_path)
-    saved = []
-    callback._monitor_candidates = lambda trainer: {}
-    callback._save_last_checkpoint = lambda trainer, candidates: saved.append(trainer.world_size)
-    for world_size, exception in [(2, SystemExit(-1)), (1, SystemExit(-1)), (2, RuntimeError("in a step"))]:
-        trainer = SimpleNamespace(world_size=world_size, fast_dev_run=False, sanity_checking=False, global_step=3)
-        callback.on_exception(trainer, None, exception)
-    assert saved == [1, 2]

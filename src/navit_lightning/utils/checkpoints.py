@@ -74,10 +74,8 @@ class ResumeCheckpoint(ModelCheckpoint):
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
         # Saving enters a barrier, which a broken process group cannot run: the collective's
-        # own one-line error (utils/shutdown.py) must not become the save's traceback. Nor
-        # can it run after a SystemExit, which comes from one process's own signal handler
-        # (submitit's, on global rank 0 only) while the other ranks go on training.
-        if trainer.world_size > 1 and (isinstance(exception, SystemExit) or is_collective_failure(exception)):
+        # own one-line error (utils/shutdown.py) must not become the save's traceback.
+        if trainer.world_size > 1 and is_collective_failure(exception):
             return
         # last.ckpt only: ModelCheckpoint would also write a step-named copy
         if self._should_save_on_exception(trainer):
