@@ -65,8 +65,9 @@ def run_entry_point(project_root: Path, tmp_path: Path):
         check: bool = True,
         launcher: tuple[str, ...] = (sys.executable,),
         timeout: float = 300,
+        env: dict[str, str] | None = None,
     ) -> subprocess.CompletedProcess:
-        env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "HYDRA_FULL_ERROR": "1"}
+        env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "HYDRA_FULL_ERROR": "1", **(env or {})}
         result = subprocess.run(
             [*launcher, str(REPO / script), *overrides],
             cwd=tmp_path,

@@ -47,10 +47,13 @@ def test_step_benchmark_times_bare_and_lightning_steps_and_every_suspect(project
     from navit_lightning.bench import step
 
     monkeypatch.setenv("PROJECT_ROOT", str(project_root))
-    figures = step.measure([*TINY_RUN], steps=2, warmup=1, ablate=True)
+    figures = step.measure([*TINY_RUN], steps=2, warmup=1, ablate=True, sync_steps=1)
     expected = {"bare_before", "bare_after", "bare", "bare_with_loader", "lightning", "without all of them"}
     expected |= {f"without {suspect}" for suspect in step.SUSPECTS}
     assert set(figures) == expected
     assert all(ms > 0 for ms in figures.values())
     report = step.report(figures)
     assert "over bare with the loader" in report and "Lightning step" in report
+    # device syncs are counted on a GPU only; the report lists them by call site
+    synced = step.report({**figures, "syncs lit_module.py:99 _step": 2.0, "syncs module.py:1 log": 0.5})
+    assert "device syncs a Lightning step (implicit, CUDA): 2.50" in synced and " _step" in synced

@@ -5,7 +5,7 @@ from functools import partial
 import pytest
 import torch
 
-from navit_lightning.data.packing import PackedBatch, PackedShape, pack
+from navit_lightning.data.packing import PackedBatch, PackedShape, image_index, pack
 from navit_lightning.lit_module import NaViTClassifier
 from navit_lightning.models import NaViT
 from tests.test_model import SHAPE
@@ -23,6 +23,25 @@ def make_model(head: str, attention: str = "auto") -> NaViTClassifier:
     torch.manual_seed(0)
     net = NaViT(patch_size=4, dim=32, depth=2, heads=4, max_grid=8, attention=attention)
     return NaViTClassifier(net, num_classes=3, optimizer=partial(torch.optim.SGD, lr=0.1), head=head)
+
+
+@pytest.mark.parametrize("images", [len(GRIDS), 3, 0])
+def test_image_index_from_a_host_count_is_the_boolean_mask_order(images):
+    """The step selects the images by an index from the count taken on the host (no device
+    sync): the same images in the same order as the slots' mask."""
+    batch = make_batch(images=images) if images else pack([], SHAPE, PATCH_DIM)
+    index = image_index(batch, batch.num_images)
+    torch.testing.assert_close(index, image_index(batch))
+    torch.testing.assert_close(batch.labels.flatten()[index], batch.labels[batch.image_slots])
+    model = make_model("linear").eval()
+    torch.testing.assert_close(model(batch, index), model.head(model.net(batch)[batch.image_slots]))
+
+
+def test_coordinates_past_the_table_are_refused_on_the_host_before_the_copy():
+    model = make_model("linear")
+    model.net.pos_embed.max_grid = 4  # the batch has images 7 patches long
+    with pytest.raises(ValueError, match=r"raise model\.max_grid"):
+        model.on_before_batch_transfer(make_batch(), 0)
 
 
 def test_batchnorm_head_counts_only_the_real_images():
@@ -55,14 +74,13 @@ def test_an_all_padding_filler_batch_gives_zero_loss_and_a_gradient_to_every_par
 
 def test_throughput_monitor_logs_tokens_and_model_flops(tmp_path):
     import lightning as L
-    from lightning.pytorch.callbacks import ThroughputMonitor
     from lightning.pytorch.loggers import CSVLogger
     from torch.utils.data import DataLoader
 
-    from navit_lightning.data.packing import images_in, real_tokens_in
+    from navit_lightning.utils.callbacks import PackedThroughputMonitor
 
     model, batch = make_model("linear"), make_batch()
-    monitor = ThroughputMonitor(batch_size_fn=images_in, length_fn=real_tokens_in, window_size=2)
+    monitor = PackedThroughputMonitor(window_size=2)
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=4,
@@ -82,3 +100,6 @@ def test_throughput_monitor_logs_tokens_and_model_flops(tmp_path):
     }
     assert logged["train/device/flops_per_sec"] and float(logged["train/device/flops_per_sec"][-1]) > 0
     assert logged["train/device/items_per_sec"] and logged["train/device/samples_per_sec"]
+    # samples are images and items real tokens, both counted on the host
+    samples, items = (float(logged[f"train/device/{name}_per_sec"][-1]) for name in ("samples", "items"))
+    assert samples / items == pytest.approx(batch.num_images / batch.num_real_tokens)

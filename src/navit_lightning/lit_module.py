@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import lightning as L
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 from torchmetrics import MaxMetric
 from torchmetrics.classification import MulticlassAccuracy
 
-from navit_lightning.data.packing import IGNORE_LABEL, PackedBatch
+from navit_lightning.data.packing import IGNORE_LABEL, PackedBatch, image_index
 from navit_lightning.models import NaViT, build_head
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
@@ -24,6 +25,19 @@ def image_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     loss instead of NaN."""
     loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_LABEL, reduction="sum")
     return loss / max(len(labels), 1)
+
+
+class BatchCounts(NamedTuple):
+    """Counts of a batch, taken on the host before it goes to the device: reading them from
+    the device copy would stall the host until the GPU caught up (a device sync each)."""
+
+    images: int
+    real_tokens: int
+    tokens: int
+
+    @classmethod
+    def of(cls, batch: PackedBatch) -> BatchCounts:
+        return cls(batch.num_images, batch.num_real_tokens, batch.image_ids.numel())
 
 
 def parameter_groups(module: nn.Module) -> list[dict]:
@@ -54,29 +68,41 @@ class NaViTClassifier(L.LightningModule):
         # Keyed "<stage>_acc": a bare "train" key would clash with nn.Module.train.
         self.accuracy = nn.ModuleDict(
             {
-                f"{stage}_acc": MulticlassAccuracy(num_classes, average="micro", ignore_index=IGNORE_LABEL)
+                # validate_args=False: its checks of the labels are device syncs every step, and
+                # the labels come from the datamodule, which checked them on the host
+                f"{stage}_acc": MulticlassAccuracy(num_classes, average="micro", validate_args=False)
                 for stage in ("train", "val", "test")
             }
         )
         # Fed the synced val accuracy, the same on every rank: nothing left to sync.
         self.val_acc_best = MaxMetric(sync_on_compute=False)
-        # Model FLOPs of the latest training batch, read by Lightning's ThroughputMonitor.
+        # Taken from the next batch on the host by on_before_batch_transfer, used once by its step.
+        self._host_counts: BatchCounts | None = None
+        # Of the latest step's batch: read by PackedThroughputMonitor, and the model FLOPs by
+        # Lightning's ThroughputMonitor.
+        self.batch_counts = BatchCounts(0, 0, 0)
         self.flops_per_batch = 0
 
     def setup(self, stage: str) -> None:
         if self.compile and stage == "fit":
             self.net.compile()  # in place: the state_dict keys stay those of the plain network
 
-    def forward(self, batch: PackedBatch) -> torch.Tensor:
-        """Logits (N, classes) of the batch's N images, in row-major slot order."""
+    def forward(self, batch: PackedBatch, index: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (N, classes) of the batch's N images, in row-major slot order; `index`: their
+        flat slot index (packing.image_index), found here when not given."""
+        index = image_index(batch) if index is None else index
         features = self.net(batch)  # (R, K, dim)
         # The head sees only real images: BatchNorm statistics must not count empty slots.
-        return self.head(features[batch.image_slots])
+        return self.head(features.flatten(0, 1)[index])
 
     def _step(self, batch: PackedBatch, stage: str) -> torch.Tensor:
-        logits = self(batch)
-        labels = batch.labels[batch.image_slots]
-        num_images = len(labels)
+        # Counted here (a device sync on a GPU) only for a step called outside Lightning's loops.
+        counts = BatchCounts.of(batch) if self._host_counts is None else self._host_counts
+        self._host_counts, self.batch_counts = None, counts
+        num_images = counts.images
+        index = image_index(batch, num_images)
+        logits = self(batch, index)
+        labels = batch.labels.flatten()[index]
         loss = image_loss(logits, labels)
         if num_images:  # torchmetrics refuses empty inputs; its state syncs at compute anyway
             self.accuracy[f"{stage}_acc"].update(logits, labels)
@@ -86,14 +112,17 @@ class NaViTClassifier(L.LightningModule):
             f"{stage}/acc", self.accuracy[f"{stage}_acc"], prog_bar=True, on_step=False, on_epoch=True, **log
         )
         if stage == "train":
-            self.log("train/images_per_batch", float(num_images), on_step=True, on_epoch=False)
-            self.log(
-                "train/fill", batch.num_real_tokens / batch.image_ids.numel(), on_step=True, on_epoch=False
-            )
+            # host tensors: Lightning would copy a float to the device, a sync every step
+            fill = counts.real_tokens / counts.tokens
+            self.log("train/images_per_batch", torch.tensor(float(num_images)), on_step=True, on_epoch=False)
+            self.log("train/fill", torch.tensor(fill), on_step=True, on_epoch=False)
         return loss
 
     def on_before_batch_transfer(self, batch: PackedBatch, dataloader_idx: int) -> PackedBatch:
-        if self.trainer.training:  # counted on the host, before the copy: no device sync
+        # Counted and checked here, on the host, before the copy: on the device each is a sync.
+        self._host_counts = BatchCounts.of(batch)
+        self.net.pos_embed.check_coords(batch.coords)
+        if self.trainer.training:
             self.flops_per_batch = int(self.net.train_flops(batch))
         return batch
 

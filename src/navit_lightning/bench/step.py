@@ -2,7 +2,7 @@
 Lightning, measured in one run.
 
     python -m navit_lightning.bench.step [train.py overrides] [--steps N] [--warmup N]
-        [--ablate] [--json FILE]
+        [--ablate] [--sync-steps N] [--json FILE]
 
 bare:      forward, loss, backward, gradient clipping, AdamW and the LR schedule of the
            config's model on batches collected from its loader beforehand (no loader
@@ -16,18 +16,23 @@ lightning: train.py's own datamodule, model, Trainer, callbacks and logger (`tra
            draws differently into a pipe.
 --ablate:  the Lightning step again with one suspect at a time taken away, each against the
            bare step: what each one costs.
+syncs:     on a GPU, the Lightning run's device syncs a step by call site, counted over
+           --sync-steps steps after the timed ones.
 Every figure is a mean over --steps steps after --warmup steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import itertools
 import json
 import statistics
 import tempfile
 import time
+import traceback
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -38,10 +43,12 @@ import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from navit_lightning.bench import train_config
-from navit_lightning.data.packing import PackedBatch
+from navit_lightning.data.packing import PackedBatch, image_index
 from navit_lightning.lit_module import NaViTClassifier, image_loss, parameter_groups
 from navit_lightning.train import build
 from navit_lightning.utils.entry_point import tidy_lightning_output
+
+SHOW_WARNING = warnings.showwarning
 
 # The suspects of a Lightning step's overhead, each as the overrides that take it away.
 SUSPECTS: dict[str, list[str]] = {
@@ -57,32 +64,64 @@ SUSPECTS: dict[str, list[str]] = {
 
 
 class StepClock(L.Callback):
-    """The start time of every training batch."""
+    """The start time of every training batch of `steps` after `warmup`; then, on a GPU, the
+    device syncs of the steps after those (implicit ones, through torch's sync debug mode,
+    which slows the steps it watches), by call site."""
 
-    def __init__(self) -> None:
+    def __init__(self, warmup: int, steps: int) -> None:
+        self.warmup, self.steps = warmup, steps
         self.starts: list[float] = []
+        self.sync_sites: collections.Counter[str] = collections.Counter()
 
-    def on_train_batch_start(self, *args: Any) -> None:
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.starts.append(time.perf_counter())
+        if len(self.starts) == self.warmup + self.steps + 2 and trainer.strategy.root_device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+            warnings.simplefilter("always")
+            warnings.showwarning = self._count_sync
 
-    def mean_ms(self, warmup: int) -> float:
-        starts = self.starts[warmup:]
+    def on_train_end(self, *args: Any) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = SHOW_WARNING
+
+    def _count_sync(self, message: Warning | str, *args: Any, **kwargs: Any) -> None:
+        if "synchronizing CUDA operation" not in str(message):
+            SHOW_WARNING(message, *args, **kwargs)
+            return
+        # the innermost frame of this project or Lightning: where to look
+        ours = [
+            frame
+            for frame in traceback.extract_stack()[:-1]
+            if ("navit_lightning" in frame.filename and "bench" not in frame.filename)
+            or "lightning" in frame.filename
+        ]
+        frame = ours[-1] if ours else traceback.extract_stack()[-2]
+        self.sync_sites[f"{frame.filename.rsplit('/', 3)[-1]}:{frame.lineno} {frame.name}"] += 1
+
+    def mean_ms(self) -> float:
+        starts = self.starts[self.warmup : self.warmup + self.steps + 1]
         return (starts[-1] - starts[0]) / (len(starts) - 1) * 1e3
 
+    def syncs_per_step(self) -> dict[str, float]:
+        watched = len(self.starts) - (self.warmup + self.steps + 1)
+        return {site: count / watched for site, count in self.sync_sites.most_common()}
 
-def lightning_step_ms(overrides: list[str], warmup: int, steps: int) -> float:
-    """Mean time of a Lightning training step of train.py's trainer for `overrides`."""
-    clock = StepClock()
+
+def lightning_step(overrides: list[str], warmup: int, steps: int, sync_steps: int = 0) -> StepClock:
+    """A Lightning training run of train.py's trainer for `overrides`, clocked, then
+    `sync_steps` more with their device syncs counted (on a GPU)."""
+    clock = StepClock(warmup, steps)
     with tempfile.TemporaryDirectory() as output_dir:
         run = [
             *overrides,
             f"paths.output_dir={output_dir}",
-            f"trainer.max_steps={warmup + steps + 1}",
+            f"trainer.max_steps={warmup + steps + 1 + sync_steps}",
             "trainer.max_epochs=-1",  # as many epochs as the steps take
         ]
         datamodule, model, trainer = build(train_config(run), [clock])
         trainer.fit(model, datamodule=datamodule)
-    return clock.mean_ms(warmup)
+    return clock
 
 
 def bare_step_ms(
@@ -100,9 +139,11 @@ def bare_step_ms(
     scheduler = hydra.utils.instantiate(cfg.scheduler)(optimizer, warmup + steps)
     times, start = [], time.perf_counter()
     for batch in itertools.islice(batches, warmup + steps):
+        num_images = batch.num_images  # on the host, as the LightningModule counts it
         batch = move_data_to_device(batch, trainer.strategy.root_device)
+        index = image_index(batch, num_images)
         with trainer.precision_plugin.forward_context():
-            loss = image_loss(model(batch), batch.labels[batch.image_slots])
+            loss = image_loss(model(batch, index), batch.labels.flatten()[index])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.gradient_clip_val or float("inf"))
         optimizer.step()
@@ -115,7 +156,9 @@ def bare_step_ms(
     return statistics.fmean(times[warmup:]) * 1e3
 
 
-def measure(overrides: list[str], steps: int, warmup: int, ablate: bool) -> dict[str, float]:
+def measure(
+    overrides: list[str], steps: int, warmup: int, ablate: bool, sync_steps: int = 20
+) -> dict[str, float]:
     """Step times in ms: bare (before and after), lightning, and `without <suspect>`."""
     with tempfile.TemporaryDirectory() as output_dir:
         cfg = train_config([*overrides, f"paths.output_dir={output_dir}"])
@@ -142,12 +185,15 @@ def measure(overrides: list[str], steps: int, warmup: int, ablate: bool) -> dict
     loader = datamodule.train_dataloader()  # a fresh one: its workers start from the top
     record("bare_with_loader", bare_step_ms(model, trainer, cfg, loader, warmup, steps))
     del loader
-    record("lightning", lightning_step_ms(overrides, warmup, steps))
+    clock = lightning_step(overrides, warmup, steps, sync_steps)
+    record("lightning", clock.mean_ms())
+    for site, per_step in clock.syncs_per_step().items():
+        figures[f"syncs {site}"] = per_step
     if ablate:
         for suspect, taken_away in SUSPECTS.items():
-            record(f"without {suspect}", lightning_step_ms([*overrides, *taken_away], warmup, steps))
+            record(f"without {suspect}", lightning_step([*overrides, *taken_away], warmup, steps).mean_ms())
         every_suspect = [o for taken_away in SUSPECTS.values() for o in taken_away]
-        record("without all of them", lightning_step_ms([*overrides, *every_suspect], warmup, steps))
+        record("without all of them", lightning_step([*overrides, *every_suspect], warmup, steps).mean_ms())
     torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])  # as at the start
     record("bare_after", bare_step_ms(model, trainer, cfg, batches, warmup, steps))
     figures["bare"] = (figures["bare_before"] + figures["bare_after"]) / 2
@@ -169,6 +215,10 @@ def report(figures: dict[str, float]) -> str:
                 f"{label + ':':45s}{ms:7.1f} ms, {ms / bare - 1:+6.1%} over bare, "
                 f"{ms / figures['bare_with_loader'] - 1:+6.1%} over bare with the loader"
             )
+    syncs = {name.removeprefix("syncs "): n for name, n in figures.items() if name.startswith("syncs ")}
+    if syncs:
+        lines.append(f"device syncs a Lightning step (implicit, CUDA): {sum(syncs.values()):.2f}")
+        lines += [f"  {per_step:5.2f}  {site}" for site, per_step in syncs.items()]
     return "\n".join(lines)
 
 
@@ -179,11 +229,12 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="train.py config overrides")
     parser.add_argument("--steps", type=int, default=60, help="steps timed (default 60)")
     parser.add_argument("--warmup", type=int, default=5, help="steps before timing (default 5)")
+    parser.add_argument("--sync-steps", type=int, default=20, help="GPU steps syncs are counted in")
     parser.add_argument("--ablate", action="store_true", help="time the step without each suspect")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args()
     tidy_lightning_output()
-    figures = measure(args.overrides, args.steps, args.warmup, args.ablate)
+    figures = measure(args.overrides, args.steps, args.warmup, args.ablate, args.sync_steps)
     print(report(figures))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))

@@ -37,14 +37,13 @@ class PackedBatch(NamedTuple):
         return int((self.image_ids != PAD_ID).sum())
 
 
-def images_in(batch: PackedBatch) -> int:
-    """Samples of a batch, for Lightning's ThroughputMonitor (batch_size_fn)."""
-    return batch.num_images
-
-
-def real_tokens_in(batch: PackedBatch) -> int:
-    """Tokens that are not padding, for Lightning's ThroughputMonitor (length_fn)."""
-    return batch.num_real_tokens
+def image_index(batch: PackedBatch, num_images: int | None = None) -> torch.Tensor:
+    """(N,) flat index (row * K + slot) of the batch's N images, in row-major order. Given N
+    counted on the host, no device sync (boolean indexing is one: its size is data)."""
+    slots = batch.image_slots.flatten()
+    if num_images is None:
+        return slots.nonzero().squeeze(1)
+    return torch.nonzero_static(slots, size=num_images).squeeze(1)
 
 
 @dataclass(frozen=True)

@@ -23,15 +23,20 @@ class FactorizedPosEmbed(nn.Module):
         self.y = nn.Parameter(torch.randn(max_grid, dim) * 0.02)
         self.x = nn.Parameter(torch.randn(max_grid, dim) * 0.02)
 
-    def forward(self, coords: torch.Tensor, token_grid: torch.Tensor) -> torch.Tensor:
-        """coords, token_grid: (..., 2) -> (..., dim)."""
-        if self.fractional:
-            coords = coords * self.max_grid // token_grid.clamp(min=1)
-        # Checked in eager mode only: it costs a host sync, and a graph break under compile,
-        # where the configs' max_grid = data.max_patches bounds every side anyway.
-        elif not torch.compiler.is_compiling() and coords.numel() and int(coords.max()) >= self.max_grid:
+    def check_coords(self, coords: torch.Tensor) -> None:
+        """Refuses coordinates past the absolute tables, naming the fix. A device sync on a
+        GPU: the LightningModule calls it on the host batch, before the copy."""
+        if not self.fractional and coords.numel() and int(coords.max()) >= self.max_grid:
             raise ConfigError(
                 f"an image is {int(coords.max()) + 1} patches long but model.max_grid="
                 f"{self.max_grid}: raise model.max_grid or lower data.max_patches"
             )
+
+    def forward(self, coords: torch.Tensor, token_grid: torch.Tensor) -> torch.Tensor:
+        """coords, token_grid: (..., 2) -> (..., dim)."""
+        # Checked where it is free: on the CPU and not under compile (a graph break there).
+        if coords.device.type == "cpu" and not torch.compiler.is_compiling():
+            self.check_coords(coords)
+        if self.fractional:
+            coords = coords * self.max_grid // token_grid.clamp(min=1)
         return self.y[coords[..., 0]] + self.x[coords[..., 1]]

@@ -6,6 +6,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 
@@ -18,6 +19,27 @@ class StoreRunConfig(L.Callback):
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         checkpoint["run_config"] = self.config
+
+
+class PackedThroughputMonitor(ThroughputMonitor):
+    """Lightning's ThroughputMonitor (images/s, real tokens/s, model FLOP/s) fed the counts
+    the module took on the host (`pl_module.batch_counts`): counting images and tokens in the
+    device batch would cost two device syncs a step. Lightning's own synchronize per batch
+    stays: its clock needs it (cost measured in docs/benchmarks.md)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(batch_size_fn=self._images, length_fn=self._real_tokens, **kwargs)
+        self._module: L.LightningModule | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._module = pl_module
+
+    def _images(self, batch: Any) -> int:
+        return self._module.batch_counts.images
+
+    def _real_tokens(self, batch: Any) -> int:
+        return self._module.batch_counts.real_tokens
 
 
 # Collectives and Lightning's rank-zero-only callbacks. The progress bar (rank 0 only) reads
