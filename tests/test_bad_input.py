@@ -116,7 +116,8 @@ def test_unreadable_files_are_left_out_at_scan_and_truncated_ones_when_decoded(t
     names = [path.name for path, _ in dataset.items]
     assert [names[i % len(names)] for i, s in enumerate(samples) if s is None] == ["truncated.jpg"] * 2
     assert caplog.text.count("truncated.jpg") == 1  # warned once, counted every time
-    assert dataset.unreadable_this_epoch.value == 2
+    assert dataset.take_unreadable_count() == 2
+    assert dataset.take_unreadable_count() == 0  # taken
 
     batch = PackCollate(PackedShape(8, 64, 8), 16 * 16 * 3)(samples[: len(names)])
     assert batch.num_images == len(names) - 1

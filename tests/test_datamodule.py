@@ -1,4 +1,9 @@
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -105,3 +110,40 @@ def test_a_resumed_loader_delivers_the_rest_of_the_epoch_whatever_its_workers(pr
     rest = resumed.train_dataloader()
     assert len(rest) == len(whole)
     assert_same_batches(list(rest), whole[done:])
+
+
+KILLED_LOADER = """
+import os, signal, sys
+from navit_lightning.data.datamodule import PackedImageDataModule
+from navit_lightning.utils.shutdown import descendants
+
+if __name__ == "__main__":
+    datamodule = PackedImageDataModule(sys.argv[1], patch_size=16, max_patches=64, num_workers=2)
+    datamodule.setup("fit")
+    loader = datamodule.train_dataloader()
+    batches = iter(loader)
+    next(batches)
+    print(*descendants(os.getpid()), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_loader_workers_end_with_a_training_process_killed_by_sigkill(project_root, tmp_path):
+    """Workers start from a forkserver (the data config's default), so their parent is the
+    server, not the training process; they must still end with it, and the server with
+    them, or they outlive the run and hold its output pipes open."""
+    script = tmp_path / "killed_loader.py"
+    script.write_text(KILLED_LOADER)
+    result = subprocess.run(
+        [sys.executable, str(script), str(project_root / "data" / "shapes")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    left = [int(pid) for pid in result.stdout.split()]
+    assert len(left) >= 3  # the server and two workers (and the resource tracker)
+    deadline = time.monotonic() + 30
+    while (alive := [pid for pid in left if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive, [Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in alive]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from navit_lightning.data.folder import ImageFolder, check_class_folders, find_c
 from navit_lightning.data.packing import PackCollate, PackedShape
 from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
 from navit_lightning.errors import DataError
+from navit_lightning.utils.shutdown import exit_with_process
 
 
 class TrainLoader(DataLoader):
@@ -61,6 +64,7 @@ class PackedImageDataModule(L.LightningDataModule):
         val_fraction: float = 0.1,
         hflip: float = 0.5,
         num_workers: int | None = None,
+        multiprocessing_context: str | None = "forkserver",
         pin_memory: bool = True,
         seed: int = 0,
         generate: shapes.ShapesSpec | None = None,
@@ -85,6 +89,7 @@ class PackedImageDataModule(L.LightningDataModule):
         self.val_fraction = val_fraction
         self.hflip = hflip
         self.num_workers = num_workers
+        self.multiprocessing_context = multiprocessing_context
         self.pin_memory = pin_memory
         self.seed = seed
         self.generate = generate
@@ -170,10 +175,17 @@ class PackedImageDataModule(L.LightningDataModule):
 
     def _loader(self, split: str) -> DataLoader:
         workers = self._num_workers()
+        context = multiprocessing.get_context(self.multiprocessing_context) if workers else None
+        if self.multiprocessing_context == "forkserver" and workers:
+            # The server imports what a worker runs once (~2 s), before its first fork;
+            # without this every worker would import torch and the data code itself.
+            context.set_forkserver_preload(["navit_lightning.data.folder", "navit_lightning.data.packing"])
         options: dict[str, Any] = dict(
             batch_sampler=self.batch_sampler(split),
             collate_fn=PackCollate(self.process_shape, self.patch_size**2 * 3),
             num_workers=workers,
+            multiprocessing_context=context,
+            worker_init_fn=partial(exit_with_process, os.getpid()),
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=workers > 0,
         )

@@ -64,7 +64,8 @@ class ImageFolder(Dataset):
 
     Files whose header cannot be read are left out when the folder is scanned; an image
     that fails to decode later (a truncated file) makes __getitem__ return None, which the
-    collate drops. Each bad file is warned about once and counted (`unreadable_this_epoch`).
+    collate drops. Each bad file is warned about once and counted every time
+    (`take_unreadable_count`).
     """
 
     def __init__(self, items: list[tuple[Path, int]], patch_size: int, hflip: float = 0.0) -> None:
@@ -72,9 +73,11 @@ class ImageFolder(Dataset):
         self.hflip = hflip
         self.items, self.sizes = self._scan(items)
         self.skipped_at_scan = len(items) - len(self.items)
-        # Shared with the DataLoader workers, which set them.
-        self.failed = multiprocessing.Array("b", len(self.items), lock=False)
-        self.unreadable_this_epoch = multiprocessing.Value("i", 0)
+        # Decode failures per image, shared with the DataLoader workers. No lock (a lock would
+        # tie the array to one multiprocessing start method): an image is decoded by one
+        # worker at a time.
+        self.failures = multiprocessing.RawArray("i", len(self.items))
+        self._failures_taken = 0  # by take_unreadable_count, in this process
 
     def _scan(self, items: list[tuple[Path, int]]) -> tuple[list[tuple[Path, int]], list[tuple[int, int]]]:
         """The readable items and their upright (height, width), from the file headers only."""
@@ -104,9 +107,13 @@ class ImageFolder(Dataset):
                 sample = image_to_sample(image, label, self.patch_size, key.max_patches, mirror)
             return drop_tokens(sample, key.keep, rng)
         except UNREADABLE as error:
-            with self.unreadable_this_epoch.get_lock():
-                self.unreadable_this_epoch.value += 1
-            if not self.failed[index]:
-                self.failed[index] = 1
+            if not self.failures[index]:
                 log.warning("skipping %s: it could not be decoded (%s)", path, error)
+            self.failures[index] += 1
             return None
+
+    def take_unreadable_count(self) -> int:
+        """Decode failures since the last call, in every worker of this process's loaders."""
+        total = int(np.frombuffer(self.failures, dtype=np.int32).sum())
+        count, self._failures_taken = total - self._failures_taken, total
+        return count

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import random
 import shutil
 from concurrent.futures import ProcessPoolExecutor
@@ -136,7 +137,10 @@ def generate(root: str | Path, spec: ShapesSpec = ShapesSpec(), workers: int = 2
             shutil.rmtree(root / split / name, ignore_errors=True)
             (root / split / name).mkdir(parents=True)
         jobs += [(root / split, i, spec.seed + SPLIT_SEED_OFFSET[split] + i, spec) for i in range(count)]
-    with Progress() as progress, ProcessPoolExecutor(workers) as pool:
+    # forkserver: the progress bar's thread is running when the pool forks (see the data
+    # config's multiprocessing_context)
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"))
+    with Progress() as progress, pool:
         task = progress.add_task(f"Generating the shapes data set in {root}", total=len(jobs))
         for _ in pool.map(_write_one, jobs, chunksize=64):
             progress.advance(task)

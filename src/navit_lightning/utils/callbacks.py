@@ -93,13 +93,9 @@ class UnreadableImageReport(L.Callback):
         if dataset is None:
             return
         self.epoch[stage] = trainer.current_epoch
-        # Failures since the last batch, in this rank's loader workers (shared counter).
-        counter = dataset.unreadable_this_epoch
-        with counter.get_lock():
-            count, counter.value = counter.value, 0
         pl_module.log(
             f"{stage}/unreadable_images",
-            float(count),
+            float(dataset.take_unreadable_count()),  # since the last batch, in this rank's workers
             on_step=False,
             on_epoch=True,
             reduce_fx="sum",
