@@ -2,6 +2,7 @@ import random
 
 import pytest
 
+from navit_lightning.data.folder import mirrored
 from navit_lightning.data.packing import PackedShape
 from navit_lightning.data.sampler import PackedBatchSampler, SampleKey, SizePolicy
 from navit_lightning.data.transforms import fit_grid
@@ -166,3 +167,16 @@ def test_resuming_mid_epoch_on_other_ranks_or_data_is_refused():
     (other_data,) = samplers(sizes[:-1], 1)
     with pytest.raises(DataError, match="planned from other data"):
         other_data.resume(position)
+
+
+@pytest.mark.parametrize("hflip", [0.0, 0.3, 0.5, 1.0])
+def test_the_key_seed_flips_images_at_the_configured_rate(hflip):
+    keys = SizePolicy(16, 64).keys([(64, 64)] * 20_000, seed=3, epoch=1)
+    rate = sum(mirrored(key.seed, hflip) for key in keys) / len(keys)
+    assert rate == pytest.approx(hflip, abs=0.015)
+    # independent of the draws the seed also drives: the budget
+    budgets = SizePolicy(16, 64, min_patches=4).keys([(64, 64)] * 20_000, seed=3, epoch=1)
+    flipped = [key.max_patches for key in budgets if mirrored(key.seed, 0.5)]
+    assert sum(flipped) / len(flipped) == pytest.approx(
+        sum(key.max_patches for key in budgets) / len(budgets), rel=0.03
+    )

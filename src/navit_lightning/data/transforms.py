@@ -96,9 +96,10 @@ def image_to_sample(
     return ImageSample(patches, coords, (grid_h, grid_w), label)
 
 
-def drop_tokens(sample: ImageSample, keep: int, rng: np.random.Generator) -> ImageSample:
-    """Keep `keep` of the sample's patches, chosen by `rng`, in their original order."""
+def drop_tokens(sample: ImageSample, keep: int, seed: int) -> ImageSample:
+    """Keep `keep` of the sample's patches, chosen by `seed`, in their original order."""
     if keep >= len(sample.patches):
         return sample
+    rng = np.random.default_rng(seed)
     kept = torch.from_numpy(np.sort(rng.choice(len(sample.patches), size=keep, replace=False)))
     return sample._replace(patches=sample.patches[kept], coords=sample.coords[kept])
