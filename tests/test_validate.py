@@ -81,6 +81,7 @@ def test_allowed(monkeypatch, gpus, overrides):
         (["model.head=mlp"], "model.head='mlp' is unknown: use one of ['bn_mlp', 'linear']"),
         (["model.net.attention=dense"], "model.net.attention='dense' is unknown"),
         (["model.net.attention=flex"], "model.net.attention=flex cannot train on CPU"),
+        (["data.multiprocessing_context=forx"], "data.multiprocessing_context='forx' is unknown: use one of"),
     ],
 )
 def test_refusal_is_one_line_and_exit_code_2(run_entry_point, overrides, message):

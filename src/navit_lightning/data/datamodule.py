@@ -93,6 +93,11 @@ class PackedImageDataModule(L.LightningDataModule):
         self.pin_memory = pin_memory
         self.seed = seed
         self.generate = generate
+        if multiprocessing_context not in (None, *multiprocessing.get_all_start_methods()):
+            raise DataError(
+                f"data.multiprocessing_context={multiprocessing_context!r} is unknown: use one of "
+                f"{multiprocessing.get_all_start_methods()}"
+            )
         if max_patches > row_len:
             raise DataError(
                 f"data.max_patches={max_patches} exceeds data.row_len={row_len}: "
