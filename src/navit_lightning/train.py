@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import hydra
 import lightning as L
@@ -11,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning import CONFIG_DIR
+from navit_lightning.resolution import accuracy_across_budgets, report
 from navit_lightning.utils.callbacks import StoreRunConfig
 from navit_lightning.utils.entry_point import (
     log_config,
@@ -55,10 +57,15 @@ def train(cfg: DictConfig) -> dict[str, float]:
         if cfg.train:
             trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+        best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
         if cfg.test:
-            best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
             trainer.test(model, datamodule=datamodule, ckpt_path=best or None)
             metrics.update({name: float(value) for name, value in trainer.callback_metrics.items()})
+        if cfg.get("patch_budgets"):
+            results = accuracy_across_budgets(
+                trainer, model, datamodule, list(cfg.patch_budgets), "val", best or None
+            )
+            report(results, trainer, Path(cfg.paths.output_dir), "val, best checkpoint" if best else "val")
     return metrics
 
 

@@ -85,6 +85,7 @@ class PackedImageDataModule(L.LightningDataModule):
         self.eval_policy = SizePolicy(patch_size, max_patches)
         # Per device; see process_shape.
         self.shape = PackedShape(rows, row_len, max_images_per_row)
+        self.eval_shape = self.shape
         self.lookahead = lookahead
         self.val_fraction = val_fraction
         self.hflip = hflip
@@ -156,12 +157,21 @@ class PackedImageDataModule(L.LightningDataModule):
         # Several under strategy=dp (PackedDataParallelStrategy), one process per device else.
         return getattr(self.trainer.strategy, "devices_per_process", 1) if self.trainer else 1
 
-    @property
-    def process_shape(self) -> PackedShape:
-        """The shape of this process's batches: data.rows per device it drives (dp drives
-        several and splits each batch by rows)."""
-        rows = self.shape.rows * self._devices_per_process
-        return PackedShape(rows, self.shape.row_len, self.shape.max_images)
+    def evaluate_at(self, max_patches: int | None) -> None:
+        """Scale evaluation images to at most `max_patches` patches from now on (None: back to
+        data.max_patches), for accuracy across resolutions; rows are lengthened to hold one
+        image where they must."""
+        max_patches = max_patches or self.train_policy.max_patches
+        self.eval_policy = SizePolicy(self.patch_size, max_patches)
+        self.eval_shape = PackedShape(
+            self.shape.rows, max(self.shape.row_len, max_patches), self.shape.max_images
+        )
+
+    def process_shape(self, split: str = "train") -> PackedShape:
+        """The shape of this process's batches of `split`: data.rows per device it drives (dp
+        drives several and splits each batch by rows)."""
+        shape = self.shape if split == "train" else self.eval_shape
+        return PackedShape(shape.rows * self._devices_per_process, shape.row_len, shape.max_images)
 
     def batch_sampler(self, split: str) -> PackedBatchSampler:
         """The sampler that plans `split`'s packed batches for this rank."""
@@ -169,7 +179,7 @@ class PackedImageDataModule(L.LightningDataModule):
         train = split == "train"
         return PackedBatchSampler(
             self.datasets[split].sizes,
-            self.process_shape,
+            self.process_shape(split),
             self.train_policy if train else self.eval_policy,
             shuffle=train,
             seed=self.seed,
@@ -187,7 +197,7 @@ class PackedImageDataModule(L.LightningDataModule):
             context.set_forkserver_preload(["navit_lightning.data.folder", "navit_lightning.data.packing"])
         options: dict[str, Any] = dict(
             batch_sampler=self.batch_sampler(split),
-            collate_fn=PackCollate(self.process_shape, self.patch_size**2 * 3),
+            collate_fn=PackCollate(self.process_shape(split), self.patch_size**2 * 3),
             num_workers=workers,
             multiprocessing_context=context,
             worker_init_fn=partial(exit_with_process, os.getpid()),
@@ -234,7 +244,7 @@ class PackedImageDataModule(L.LightningDataModule):
         stats = sampler.plan_stats()
         ranks = self.trainer.world_size if self.trainer else 1
         accumulation = self.trainer.accumulate_grad_batches if self.trainer else 1
-        shape = self.process_shape
+        shape = self.process_shape()
         tokens = shape.rows * shape.row_len
         step_tokens = ranks * accumulation * tokens
         step_images = ranks * accumulation * stats.images_per_batch

@@ -29,7 +29,7 @@ class FactorizedPosEmbed(nn.Module):
         if not self.fractional and coords.numel() and int(coords.max()) >= self.max_grid:
             raise ConfigError(
                 f"an image is {int(coords.max()) + 1} patches long but model.max_grid="
-                f"{self.max_grid}: raise model.max_grid or lower data.max_patches"
+                f"{self.max_grid}: raise model.max_grid or lower data.max_patches (or patch_budgets)"
             )
 
     def forward(self, coords: torch.Tensor, token_grid: torch.Tensor) -> torch.Tensor:

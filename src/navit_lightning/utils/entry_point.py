@@ -46,11 +46,12 @@ def tidy_lightning_output() -> None:
     )
     # A named function, not a lambda: addFilter skips a filter it already holds, so a sweep's
     # jobs and spawned ranks, each calling this, do not stack copies of it.
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(drop_litlogger_advert)
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(drop_lightning_adverts)
 
 
-def drop_litlogger_advert(record: logging.LogRecord) -> bool:
-    return "litlogger" not in record.getMessage()
+def drop_lightning_adverts(record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return "litlogger" not in message and "litmodels" not in message
 
 
 @contextmanager

@@ -3,6 +3,7 @@ otherwise fail deep inside Lightning or torch (or silently do something else).""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -50,6 +51,7 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
         )
     if is_dp(trainer.strategy):
         check_dp(cfg, on_gpu)
+    check_patch_budgets(cfg.get("patch_budgets"))
     if training:
         check_attention(cfg.model.net.attention, on_gpu, str(trainer.precision))
         if not cfg.get("logger") and (cfg.get("callbacks") or {}).get("learning_rate_monitor"):
@@ -61,6 +63,16 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
         ckpt_path = cfg.get("ckpt_path")
         if ckpt_path is not None and ckpt_path not in LIGHTNING_CKPT_NAMES:
             read_checkpoint(ckpt_path)
+
+
+def check_patch_budgets(budgets: object) -> None:
+    if budgets is None:
+        return
+    if not isinstance(budgets, Sequence) or not all(isinstance(b, int) and b > 0 for b in budgets):
+        raise ConfigError(
+            f"patch_budgets={budgets} must be a list of positive patch counts, "
+            "e.g. patch_budgets=[9,16,36,64]"
+        )
 
 
 def check_attention(backend: str, on_gpu: bool, precision: str) -> None:

@@ -1,0 +1,142 @@
+"""Accuracy across resolutions: one network evaluated with its images scaled to each of
+several patch budgets, larger than in training too (NaViT's one model for every
+resolution, measured). eval.py runs it on a checkpoint, train.py at the end of training."""
+
+from __future__ import annotations
+
+import csv
+import time
+from dataclasses import astuple, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_info
+
+from navit_lightning.utils.figures import log_figure, resolution_figure
+
+RESULTS_NAME = "resolution_accuracy"
+
+
+@dataclass(frozen=True)
+class BudgetResult:
+    patch_budget: int
+    patches_per_image: float
+    accuracy: float
+    images_per_s: float
+
+
+class EvalCounter(L.Callback):
+    """Images and real tokens of an evaluation, summed over its batches and ranks by
+    Lightning's logging (collectives in its own order: see utils/callbacks.py), and the
+    time from the first batch to the end."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None
+        self.elapsed = 0.0
+
+    def on_validation_batch_start(self, *args: Any) -> None:
+        self._start()
+
+    def on_test_batch_start(self, *args: Any) -> None:
+        self._start()
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._count(pl_module, "val")
+
+    def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._count(pl_module, "test")
+
+    def on_validation_end(self, *args: Any) -> None:
+        self._stop()
+
+    def on_test_end(self, *args: Any) -> None:
+        self._stop()
+
+    def _start(self) -> None:
+        if self.started is None:
+            self.started = time.perf_counter()
+
+    def _stop(self) -> None:
+        self.elapsed = time.perf_counter() - (self.started or time.perf_counter())
+        self.started = None
+
+    def _count(self, pl_module: L.LightningModule, stage: str) -> None:
+        counts = pl_module.batch_counts
+        for name, value in (("images", counts.images), ("real_tokens", counts.real_tokens)):
+            pl_module.log(
+                f"{stage}/{name}", float(value), on_epoch=True, reduce_fx="sum", sync_dist=True, batch_size=1
+            )
+
+
+def accuracy_across_budgets(
+    trainer: L.Trainer,
+    model: L.LightningModule,
+    datamodule: Any,
+    budgets: list[int],
+    split: str,
+    ckpt_path: str | None = None,
+) -> list[BudgetResult]:
+    """Evaluate `split` once per patch budget, each image at its own aspect ratio scaled to at
+    most that many patches; `ckpt_path`, if given, is loaded by the first evaluation."""
+    run_split = {"val": trainer.validate, "test": trainer.test}[split]
+    counter = EvalCounter()
+    # The per-budget metrics stay out of the run's loggers (each run would log its own step
+    # 0): report() logs them with the budget as the step.
+    loggers, trainer.loggers = trainer.loggers, []
+    trainer.callbacks.append(counter)
+    results = []
+    try:
+        for budget in budgets:
+            datamodule.evaluate_at(budget)
+            run_split(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
+            ckpt_path = None  # the weights stay loaded
+            metrics = trainer.callback_metrics
+            images = float(metrics[f"{split}/images"])
+            result = BudgetResult(
+                budget,
+                float(metrics[f"{split}/real_tokens"]) / max(images, 1.0),
+                float(metrics[f"{split}/acc"]),
+                images / max(counter.elapsed, 1e-9),
+            )
+            rank_zero_info(
+                f"{split} at patch budget {budget:>4}: {result.patches_per_image:6.1f} patches per image, "
+                f"accuracy {result.accuracy:.4f}, {result.images_per_s:,.0f} images/s"
+            )
+            results.append(result)
+    finally:
+        datamodule.evaluate_at(None)
+        trainer.callbacks.remove(counter)
+        trainer.loggers = loggers
+    return results
+
+
+def report(results: list[BudgetResult], trainer: L.Trainer, folder: Path, title: str) -> None:
+    """Write `resolution_accuracy.csv` and `.png` into `folder` and log the figure and the
+    accuracy per budget (as the step) to the trainer's loggers; on global rank zero only."""
+    if not trainer.is_global_zero:
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"{RESULTS_NAME}.csv", "w", newline="") as file:
+        writer = csv.writer(file)
+        writer.writerow([field.name for field in fields(BudgetResult)])
+        writer.writerows(astuple(result) for result in results)
+    figure = resolution_figure({title: results})
+    figure.savefig(folder / f"{RESULTS_NAME}.png", dpi=120)
+    for logger in trainer.loggers:
+        for result in results:
+            logger.log_metrics(
+                {"resolution/acc": result.accuracy, "resolution/patches_per_image": result.patches_per_image},
+                step=result.patch_budget,
+            )
+    log_figure(trainer.loggers, "resolution/accuracy", figure, trainer.global_step)
+    rank_zero_info(f"accuracy across resolutions: {folder / RESULTS_NAME}.csv and .png")
+
+
+def read_results(path: Path) -> list[BudgetResult]:
+    """The rows of a `resolution_accuracy.csv`."""
+    with open(path, newline="") as file:
+        return [
+            BudgetResult(int(row["patch_budget"]), *(float(row[f.name]) for f in fields(BudgetResult)[1:]))
+            for row in csv.DictReader(file)
+        ]

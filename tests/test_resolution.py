@@ -1,0 +1,41 @@
+"""Accuracy across resolutions: at the end of training and from eval.py, as files, log lines
+and TensorBoard entries that agree with a plain evaluation."""
+
+import re
+
+import pytest
+
+from navit_lightning.resolution import read_results
+from tests.conftest import TINY_RUN, logged_scalars
+
+pytestmark = pytest.mark.slow
+
+
+def accuracy_lines(output: str, split: str) -> dict[int, float]:
+    found = re.findall(rf"{split} at patch budget +(\d+): +[0-9.]+ patches per image, accuracy ([0-9.]+)", output)
+    return {int(budget): float(accuracy) for budget, accuracy in found}
+
+
+def test_training_ends_with_accuracy_across_resolutions_and_eval_py_agrees(run_entry_point):
+    run_entry_point("train.py", *TINY_RUN)
+    run = next((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    trained = read_results(run / "resolution_accuracy.csv")
+    assert [result.patch_budget for result in trained] == [9, 16, 36, 64]
+    assert (run / "resolution_accuracy.png").stat().st_size > 10_000
+    events = next((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert [step for step, _ in logged_scalars(events)["resolution/acc"]] == [9, 16, 36, 64]
+
+    ckpt = run / "checkpoints" / "last.ckpt"
+    plain = run_entry_point("eval.py", f"ckpt_path={ckpt}", "split=val")
+    plain_accuracy = float(re.search(r"val accuracy: ([0-9.]+)", plain.stdout + plain.stderr).group(1))
+    swept = run_entry_point("eval.py", f"ckpt_path={ckpt}", "split=val", "patch_budgets=[4,36,100]")
+    lines = accuracy_lines(swept.stdout + swept.stderr, "val")
+    eval_run = next((run_entry_point.root / "logs" / "eval" / "runs").glob("*/resolution_accuracy.csv")).parent
+    results = read_results(eval_run / "resolution_accuracy.csv")
+    assert [result.patch_budget for result in results] == list(lines) == [4, 36, 100]
+    # At the training run's data.max_patches (36) the sweep is the plain evaluation.
+    assert lines[36] == pytest.approx(plain_accuracy, abs=1e-4)
+    patches = [result.patches_per_image for result in results]
+    assert all(p <= budget for p, budget in zip(patches, [4, 36, 100], strict=True))
+    assert patches == sorted(patches) and patches[0] < patches[-1]
+    assert all(result.images_per_s > 0 for result in results)
