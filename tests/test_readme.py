@@ -68,7 +68,7 @@ def as_run_here(command: str, run: str, images: Path) -> tuple[str, Path | None]
     )
     # an image folder of its own is already small: only the epochs shrink
     shrink = "trainer.max_epochs=1" if "data=imagefolder" in filled else shlex.join(SHRINK_TRAINING)
-    if re.match(r"(\S+=\S+ )*python (train|eval)\.py", filled):
+    if re.match(r"(\S+=\S+ )*python (train|eval|predict)\.py", filled):
         if "ckpt_path=" in filled and "train.py" in filled:  # a resumed run trains one epoch more
             return f"{filled} {shlex.join(TINY_SHAPES)} trainer.max_epochs=2", None
         if "hydra/launcher=slurm" in filled:  # no SLURM here: its first job composes with the
@@ -133,9 +133,7 @@ def shell(command: str, cwd: Path, root: Path) -> subprocess.CompletedProcess:
     env["PATH"] = os.pathsep.join(paths)
     env["SLURM_JOB_NUM_NODES"], env["SLURM_NTASKS_PER_NODE"] = "1", "1"  # for the sbatch script
     return subprocess.run(
-        command.replace("python train.py", f"python {REPO}/train.py").replace(
-            "python eval.py", f"python {REPO}/eval.py"
-        ),
+        re.sub(r"python (train|eval|predict)\.py", rf"python {REPO}/\1.py", command),
         shell=True,
         cwd=cwd,
         env=env,

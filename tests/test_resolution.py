@@ -12,7 +12,9 @@ pytestmark = pytest.mark.slow
 
 
 def accuracy_lines(output: str, split: str) -> dict[int, float]:
-    found = re.findall(rf"{split} at patch budget +(\d+): +[0-9.]+ patches per image, accuracy ([0-9.]+)", output)
+    found = re.findall(
+        rf"{split} at patch budget +(\d+): +[0-9.]+ patches per image, accuracy ([0-9.]+)", output
+    )
     return {int(budget): float(accuracy) for budget, accuracy in found}
 
 
@@ -30,7 +32,9 @@ def test_training_ends_with_accuracy_across_resolutions_and_eval_py_agrees(run_e
     plain_accuracy = float(re.search(r"val accuracy: ([0-9.]+)", plain.stdout + plain.stderr).group(1))
     swept = run_entry_point("eval.py", f"ckpt_path={ckpt}", "split=val", "patch_budgets=[4,36,100]")
     lines = accuracy_lines(swept.stdout + swept.stderr, "val")
-    eval_run = next((run_entry_point.root / "logs" / "eval" / "runs").glob("*/resolution_accuracy.csv")).parent
+    eval_run = next(
+        (run_entry_point.root / "logs" / "eval" / "runs").glob("*/resolution_accuracy.csv")
+    ).parent
     results = read_results(eval_run / "resolution_accuracy.csv")
     assert [result.patch_budget for result in results] == list(lines) == [4, 36, 100]
     # At the training run's data.max_patches (36) the sweep is the plain evaluation.

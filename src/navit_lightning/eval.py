@@ -3,49 +3,28 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import hydra
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.resolution import accuracy_across_budgets, report
-from navit_lightning.utils.checkpoints import read_checkpoint
-from navit_lightning.utils.entry_point import (
-    prepare_command_line,
-    refuse_bad_input,
-    tidy_lightning_output,
-)
-from navit_lightning.utils.instantiate import instantiate_group
-from navit_lightning.utils.shutdown import end_promptly_on_signals, explain_collective_failure
+from navit_lightning.utils.checkpoints import build_from_checkpoint, load_training_run
+from navit_lightning.utils.entry_point import launch, run_task
+from navit_lightning.utils.shutdown import explain_collective_failure
 from navit_lightning.utils.validate import check_launch
 
 
-def load_run_config(ckpt_path: str) -> DictConfig:
-    """The training config stored in a checkpoint by StoreRunConfig."""
-    return OmegaConf.create(read_checkpoint(ckpt_path)["run_config"])
-
-
 def evaluate(cfg: DictConfig) -> dict[str, float]:
-    """Accuracy of the checkpoint's network on the chosen split of cfg.data, at each of
-    cfg.patch_budgets if given (accuracy across resolutions)."""
+    """Accuracy of the checkpoint's network on the chosen split of cfg.data (without one, the
+    training run's data), at each of cfg.patch_budgets if given (accuracy across resolutions)."""
     check_launch(cfg, training=False)
     L.seed_everything(cfg.seed, workers=True)
-    run = load_run_config(cfg.ckpt_path)
-    with open_dict(cfg):
-        cfg.model = run.model  # the network must match the weights
-        if cfg.get("data") is None:
-            cfg.data = run.data
-    datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
-    model: L.LightningModule = hydra.utils.instantiate(cfg.model)
-    loggers = instantiate_group(cfg.get("logger"))
-    # no checkpoints written: Lightning would add a ModelCheckpoint of its own
-    trainer: L.Trainer = hydra.utils.instantiate(
-        cfg.trainer, logger=loggers or False, enable_checkpointing=False
-    )
+    run, _ = load_training_run(cfg.ckpt_path)
+    datamodule, model, trainer = build_from_checkpoint(cfg, run, cfg.get("data") or run.data)
     run_split = {"val": trainer.validate, "test": trainer.test}
     if cfg.split not in run_split:
         raise ValueError(f"split={cfg.split!r} is unknown: use split=val or split=test")
@@ -65,17 +44,11 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="eval")
 def hydra_main(cfg: DictConfig) -> None:
-    tidy_lightning_output()
-    # about resuming fit with the callbacks that wrote the checkpoint: eval.py does not fit
-    warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`")
-    with refuse_bad_input():
-        evaluate(cfg)
+    run_task(evaluate, cfg, from_checkpoint=True)
 
 
 def main() -> None:
-    end_promptly_on_signals()
-    prepare_command_line()
-    hydra_main()
+    launch(hydra_main)
 
 
 if __name__ == "__main__":

@@ -95,10 +95,14 @@ class NaViTClassifier(L.LightningModule):
         # The head sees only real images: BatchNorm statistics must not count empty slots.
         return self.head(features.flatten(0, 1)[index])
 
-    def _step(self, batch: PackedBatch, stage: str) -> torch.Tensor:
+    def _take_counts(self, batch: PackedBatch) -> BatchCounts:
         # Counted here (a device sync on a GPU) only for a step called outside Lightning's loops.
         counts = BatchCounts.of(batch) if self._host_counts is None else self._host_counts
         self._host_counts, self.batch_counts = None, counts
+        return counts
+
+    def _step(self, batch: PackedBatch, stage: str) -> torch.Tensor:
+        counts = self._take_counts(batch)
         num_images = counts.images
         index = image_index(batch, num_images)
         logits = self(batch, index)
@@ -134,6 +138,13 @@ class NaViTClassifier(L.LightningModule):
 
     def test_step(self, batch: PackedBatch, batch_idx: int) -> None:
         self._step(batch, "test")
+
+    def predict_step(self, batch: PackedBatch, batch_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N,) numbers and (N, classes) class probabilities of the batch's N images: a
+        prediction batch carries each image's number in its input list where a training
+        batch carries its class (PackedImageDataModule.predict_on)."""
+        index = image_index(batch, self._take_counts(batch).images)
+        return batch.labels.flatten()[index], self(batch, index).float().softmax(-1)
 
     def on_validation_epoch_end(self) -> None:
         # compute() syncs the accuracy across ranks, here on every rank, in this hook, which

@@ -14,14 +14,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from navit_lightning import CONFIG_DIR
 from navit_lightning.resolution import accuracy_across_budgets, report
 from navit_lightning.utils.callbacks import StoreRunConfig
-from navit_lightning.utils.entry_point import (
-    log_config,
-    prepare_command_line,
-    refuse_bad_input,
-    tidy_lightning_output,
-)
+from navit_lightning.utils.entry_point import launch, log_config, run_task
 from navit_lightning.utils.instantiate import instantiate_group
-from navit_lightning.utils.shutdown import end_promptly_on_signals, explain_collective_failure
+from navit_lightning.utils.shutdown import explain_collective_failure
 from navit_lightning.utils.validate import check_launch
 
 
@@ -38,7 +33,11 @@ def build(
         cfg.model.num_classes = datamodule.num_classes
     model: L.LightningModule = hydra.utils.instantiate(cfg.model)
     run_config = OmegaConf.to_container(cfg, resolve=True)
-    callbacks = [*instantiate_group(cfg.get("callbacks")), StoreRunConfig(run_config), *extra_callbacks]
+    callbacks = [
+        *instantiate_group(cfg.get("callbacks")),
+        StoreRunConfig(run_config, datamodule.class_names()),
+        *extra_callbacks,
+    ]
     loggers = instantiate_group(cfg.get("logger"))
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     for logger in trainer.loggers:
@@ -71,16 +70,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
 def hydra_main(cfg: DictConfig) -> float | None:
-    tidy_lightning_output()
-    with refuse_bad_input():
-        metrics = train(cfg)
+    metrics = run_task(train, cfg)
     return metrics.get(cfg.get("optimized_metric"))
 
 
 def main() -> None:
-    end_promptly_on_signals()
-    prepare_command_line()
-    hydra_main()
+    launch(hydra_main)
 
 
 if __name__ == "__main__":

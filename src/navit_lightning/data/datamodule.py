@@ -105,16 +105,18 @@ class PackedImageDataModule(L.LightningDataModule):
                 "an image would not fit a row; raise data.row_len or lower data.max_patches"
             )
         self.datasets: dict[str, ImageFolder] = {}
+        self.predict_paths: list[Path] = []
         self._train_position: dict[str, Any] | None = None  # from a checkpoint, for train_dataloader
 
     @property
     def num_classes(self) -> int:
-        if self.generate is not None:
-            return len(shapes.CLASSES)
         return len(self.class_names())
 
     def class_names(self) -> list[str]:
-        """The class folders of the training images; refuses a root that cannot train."""
+        """The class folders of the training images, in label order; refuses a root that
+        cannot train. The built-in set's are known before it is generated."""
+        if self.generate is not None:
+            return sorted(shapes.CLASSES)  # the folder names, sorted as find_classes does
         train_dir = self.root / "train"
         train_root = train_dir if train_dir.is_dir() else self.root
         classes = find_classes(train_root)
@@ -125,8 +127,21 @@ class PackedImageDataModule(L.LightningDataModule):
         if self.generate is not None:
             shapes.generate(self.root, self.generate, workers=os.cpu_count() or 1)
 
+    def predict_on(self, paths: list[Path]) -> None:
+        """The image files `predict_dataloader` serves (its stage does not read data.root).
+        Their batches carry each image's position in `paths` where others carry its class."""
+        self.predict_paths = paths
+
     def setup(self, stage: str) -> None:
-        if self.datasets:
+        if stage == "predict":
+            numbered = [(path, number) for number, path in enumerate(self.predict_paths)]
+            self.datasets["predict"] = ImageFolder(numbered, self.patch_size)
+            if not len(self.datasets["predict"]):
+                raise DataError(
+                    f"none of the {len(numbered)} input file(s) is a readable image (named above)"
+                )
+            return
+        if "train" in self.datasets:
             return
         classes = self.class_names()
         if (self.root / "train").is_dir():
@@ -265,3 +280,6 @@ class PackedImageDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader("test")
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader("predict")

@@ -11,14 +11,17 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 
 class StoreRunConfig(L.Callback):
-    """Keeps the run's resolved config in every checkpoint, so that eval.py can rebuild the
-    network from the checkpoint alone."""
+    """Keeps the run's resolved config and its class names (in label order) in every
+    checkpoint, so that eval.py and predict.py can rebuild the network from the checkpoint
+    alone and name what it predicts."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], class_names: list[str]) -> None:
         self.config = config
+        self.class_names = class_names
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         checkpoint["run_config"] = self.config
+        checkpoint["class_names"] = self.class_names
 
 
 class PackedThroughputMonitor(ThroughputMonitor):

@@ -1,5 +1,5 @@
 """Checkpoints a run can resume from: written atomically, periodically, and checked before
-a run starts from one."""
+a run starts from one; and what eval.py and predict.py rebuild from one."""
 
 from __future__ import annotations
 
@@ -9,12 +9,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import hydra
 import lightning as L
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning.errors import ConfigError
+from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.shutdown import is_collective_failure
 
 # What Lightning's own ckpt_path accepts besides a file.
@@ -105,3 +108,31 @@ def read_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
             "run_config): pass one from logs/<task>/runs/<run>/checkpoints/"
         )
     return checkpoint
+
+
+def load_training_run(ckpt_path: str | Path) -> tuple[DictConfig, list[str]]:
+    """The training config a checkpoint stores, and its class names in label order (as
+    numbers for a checkpoint saved before they were stored)."""
+    checkpoint = read_checkpoint(ckpt_path)
+    run = OmegaConf.create(checkpoint["run_config"])
+    names = checkpoint.get("class_names") or [str(label) for label in range(run.model.num_classes)]
+    return run, list(names)
+
+
+def build_from_checkpoint(
+    cfg: DictConfig, run: DictConfig, data: DictConfig, callbacks: list[L.Callback] | None = None
+) -> tuple[L.LightningDataModule, L.LightningModule, L.Trainer]:
+    """For eval.py and predict.py: `data`'s datamodule, the network of the training config
+    `run` (the weights come from cfg.ckpt_path when the trainer runs), and a trainer of
+    cfg.trainer with cfg's loggers and `callbacks` that writes no checkpoints."""
+    with open_dict(cfg):
+        cfg.model = run.model  # the network must match the weights; data=... refers to it
+    datamodule = hydra.utils.instantiate(data)
+    model = hydra.utils.instantiate(cfg.model)
+    trainer = hydra.utils.instantiate(
+        cfg.trainer,
+        logger=instantiate_group(cfg.get("logger")) or False,
+        callbacks=callbacks or [],
+        enable_checkpointing=False,  # else Lightning adds a ModelCheckpoint of its own
+    )
+    return datamodule, model, trainer

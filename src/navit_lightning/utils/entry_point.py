@@ -1,12 +1,13 @@
-"""What the Hydra entry points (train.py, eval.py) share besides instantiation."""
+"""What the Hydra entry points (train.py, eval.py, predict.py) share besides instantiation."""
 
 from __future__ import annotations
 
 import logging
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any, TypeVar
 
 from hydra.errors import InstantiationException
 from lightning.pytorch.utilities import rank_zero_info
@@ -14,15 +15,34 @@ from omegaconf import DictConfig, OmegaConf
 
 from navit_lightning.errors import ConfigError, DataError
 from navit_lightning.utils.launch import quiet_rank_overrides, run_stamp
+from navit_lightning.utils.shutdown import end_promptly_on_signals
+
+T = TypeVar("T")
 
 # configs/hydra/default.yaml names run folders with it
 OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)
 
 
-def prepare_command_line() -> None:
-    """Under torchrun or SLURM every process runs Hydra itself: leave the .hydra folder and
-    the log file to the first (see utils/launch.py)."""
+def launch(hydra_main: Callable[[], Any]) -> None:
+    """An entry point's main(): every rank ends promptly on a signal; under torchrun or SLURM,
+    where every process runs Hydra itself, the .hydra folder and the log file are left to
+    the first (see utils/launch.py)."""
+    end_promptly_on_signals()
     sys.argv += quiet_rank_overrides()
+    hydra_main()
+
+
+def run_task(task: Callable[[DictConfig], T], cfg: DictConfig, from_checkpoint: bool = False) -> T:
+    """An entry point's work on its composed config: Lightning's output tidied, bad input
+    refused with one line. from_checkpoint: eval.py and predict.py, which load a training
+    checkpoint without its training callbacks, and would be told to provide them."""
+    tidy_lightning_output()
+    if from_checkpoint:
+        warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`")
+        # PackedBatchSampler drops nothing: every image is in one of its batches
+        warnings.filterwarnings("ignore", message="You are using a custom batch sampler")
+    with refuse_bad_input():
+        return task(cfg)
 
 
 def log_config(config: DictConfig) -> None:

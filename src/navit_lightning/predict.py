@@ -1,0 +1,133 @@
+"""Hydra entry point for prediction: python predict.py ckpt_path=<run>/checkpoints/last.ckpt
+input=<image file or folder>, writing predictions.csv into the run folder."""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.utilities import rank_zero_info
+from omegaconf import DictConfig, OmegaConf
+
+from navit_lightning import CONFIG_DIR
+from navit_lightning.data.folder import IMAGE_SUFFIXES, is_image_file
+from navit_lightning.errors import DataError
+from navit_lightning.utils.checkpoints import build_from_checkpoint, load_training_run
+from navit_lightning.utils.entry_point import launch, run_task
+from navit_lightning.utils.instantiate import instantiate_group
+from navit_lightning.utils.shutdown import explain_collective_failure
+from navit_lightning.utils.validate import check_launch
+
+
+def image_files(input_path: Path) -> list[Path]:
+    """The file itself, or the image files under the folder (recursively, sorted)."""
+    if input_path.is_file():
+        return [input_path]
+    if not input_path.is_dir():
+        raise DataError(f"input={input_path} does not exist: pass an image file or a folder of images")
+    files = sorted(path for path in input_path.rglob("*") if is_image_file(path))
+    if not files:
+        raise DataError(
+            f"input={input_path} holds no image files ({', '.join(sorted(IMAGE_SUFFIXES))}), "
+            "searched recursively: pass a folder of images"
+        )
+    return files
+
+
+class PredictionWriter(BasePredictionWriter):
+    """Writes `predictions.csv`: one row per image that could be read, in the order of
+    `paths`, with its top_k classes and their probabilities. Every rank writes its share to
+    a part file as its batches come (nothing piles up in memory); global rank zero merges
+    them once every rank is done."""
+
+    def __init__(self, path: Path, paths: Sequence[Path], class_names: Sequence[str], top_k: int) -> None:
+        super().__init__(write_interval="batch")
+        self.path = path
+        self.paths = paths
+        self.class_names = class_names
+        self.top_k = min(top_k, len(class_names))
+        self._part: Any = None
+
+    def header(self) -> list[str]:
+        ranked = [[f"class_{k}", f"probability_{k}"] for k in range(2, self.top_k + 1)]
+        return ["path", "class", "probability", *[name for pair in ranked for name in pair]]
+
+    def _part_path(self, rank: int) -> Path:
+        return self.path.with_name(f"{self.path.stem}.rank{rank}.part")
+
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._part = open(self._part_path(trainer.global_rank), "w", newline="")  # noqa: SIM115
+
+    def write_on_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        prediction: tuple[torch.Tensor, torch.Tensor],
+        *args: Any,
+    ) -> None:
+        numbers, probabilities = (tensor.cpu() for tensor in prediction)
+        top = probabilities.topk(self.top_k, dim=-1)
+        writer = csv.writer(self._part)
+        for number, values, classes in zip(numbers, top.values.tolist(), top.indices.tolist(), strict=True):
+            ranked = [(self.class_names[c], f"{v:.6f}") for c, v in zip(classes, values, strict=True)]
+            writer.writerow([int(number), self.paths[number], *(item for pair in ranked for item in pair)])
+
+    def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._part.close()
+        trainer.strategy.barrier()  # every rank's part is complete
+        if not trainer.is_global_zero:
+            return
+        rows = []
+        for rank in range(trainer.world_size):
+            with open(self._part_path(rank), newline="") as part:
+                rows.extend(csv.reader(part))
+            self._part_path(rank).unlink()
+        rows.sort(key=lambda row: int(row[0]))
+        with open(self.path, "w", newline="") as file:
+            writer = csv.writer(file)
+            writer.writerow(self.header())
+            writer.writerows(row[1:] for row in rows)
+        left_out = len(self.paths) - len(rows)
+        rank_zero_info(
+            f"{self.path}: {len(rows)} image(s) predicted"
+            + (f", {left_out} unreadable file(s) left out (named above)" if left_out else "")
+        )
+
+
+def predict(cfg: DictConfig) -> Path:
+    """Predict the classes of the images under cfg.input; returns the predictions.csv path."""
+    check_launch(cfg, training=False)
+    L.seed_everything(cfg.seed, workers=True)
+    paths = image_files(Path(cfg.input))
+    run, class_names = load_training_run(cfg.ckpt_path)
+    overrides = {key: value for key, value in cfg.data.items() if value is not None}
+    data = OmegaConf.merge(run.data, overrides, {"generate": None})  # nothing to generate
+    output = Path(cfg.paths.output_dir) / "predictions.csv"
+    writer = PredictionWriter(output, paths, class_names, cfg.top_k)
+    callbacks = [*instantiate_group(cfg.get("callbacks")), writer]
+    datamodule, model, trainer = build_from_checkpoint(cfg, run, data, callbacks)
+    datamodule.predict_on(paths)
+    datamodule.evaluate_at(cfg.get("patch_budget"))
+    with explain_collective_failure(trainer):
+        trainer.predict(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, return_predictions=False)
+    return output
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="predict")
+def hydra_main(cfg: DictConfig) -> None:
+    run_task(predict, cfg, from_checkpoint=True)
+
+
+def main() -> None:
+    launch(hydra_main)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""predict.py as a user runs it: a messy folder predicted to the end, the class names of the
+checkpoint, agreement with eval.py, and one-line refusals."""
+
+import csv
+import re
+
+import pytest
+
+from navit_lightning.data.shapes import CLASSES
+from tests.conftest import TINY_RUN
+from tests.test_bad_input import make_messy_folder
+
+pytestmark = pytest.mark.slow
+
+BROKEN = ["a/truncated.png", "a/truncated.jpg", "b/garbage.jpg", "b/empty.png"]
+
+
+@pytest.fixture
+def trained(run_entry_point):
+    run_entry_point("train.py", *TINY_RUN, "patch_budgets=null")
+    run = next((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    return run / "checkpoints" / "last.ckpt"
+
+
+def predict(run_entry_point, ckpt, folder, run_dir, *overrides) -> tuple[str, list[dict[str, str]]]:
+    result = run_entry_point(
+        "predict.py", f"ckpt_path={ckpt}", f"input={folder}", f"hydra.run.dir={run_dir}", *overrides
+    )
+    with open(run_dir / "predictions.csv", newline="") as file:
+        return result.stdout + result.stderr, list(csv.DictReader(file))
+
+
+def test_predict_a_messy_folder_to_the_end(run_entry_point, trained, tmp_path):
+    folder = make_messy_folder(tmp_path / "images")
+    output, rows = predict(run_entry_point, trained, folder, tmp_path / "run", "top_k=3")
+    readable = sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file() and p.suffix != ".txt" and str(p.relative_to(folder)) not in BROKEN
+    )
+    assert [row["path"] for row in rows] == [str(p) for p in readable]
+    assert list(rows[0]) == [
+        "path", "class", "probability", "class_2", "probability_2", "class_3", "probability_3"
+    ]  # fmt: skip
+    for row in rows:
+        assert {row["class"], row["class_2"], row["class_3"]} <= set(CLASSES)  # names, not numbers
+        ranked = [float(row[name]) for name in ("probability", "probability_2", "probability_3")]
+        assert ranked == sorted(ranked, reverse=True) and 0 < sum(ranked) <= 1 + 1e-5
+    for name in BROKEN:
+        assert len(re.findall(rf"skipping \S*{re.escape(name)}:", output)) == 1, name
+    assert f"{len(readable)} image(s) predicted, {len(BROKEN)} unreadable file(s) left out" in output
+
+
+def test_predicted_classes_are_those_eval_counts(run_entry_point, trained, tmp_path):
+    shapes = run_entry_point.root / "data" / "shapes"
+    _, rows = predict(run_entry_point, trained, shapes / "val", tmp_path / "run")
+    hits = [row["class"] == row["path"].split("/")[-2] for row in rows]
+    result = run_entry_point(
+        "eval.py", f"ckpt_path={trained}", "split=val", "data=imagefolder", f"data.root={shapes}"
+    )
+    val = shapes / "val"
+    accuracy = float(re.search(r"val accuracy: ([0-9.]+)", result.stdout + result.stderr).group(1))
+    assert len(rows) == len(list(val.rglob("*.*")))
+    assert sum(hits) / len(hits) == pytest.approx(accuracy, abs=5e-5)  # printed to 4 places
+
+
+def make_input(root, kind):
+    if kind == "missing":
+        return root / "missing"
+    (root / kind).mkdir()
+    (root / kind / ("notes.txt" if kind == "no-images" else "broken.png")).write_text("not an image")
+    return root / kind
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("missing", r"input=\S+missing does not exist: pass an image file or a folder"),
+        ("no-images", r"input=\S+no-images holds no image files"),
+        ("none-readable", r"none of the 1 input file\(s\) is a readable image"),
+    ],
+)
+def test_an_input_without_images_is_refused_with_one_line(run_entry_point, trained, tmp_path, kind, message):
+    result = run_entry_point(
+        "predict.py", f"ckpt_path={trained}", f"input={make_input(tmp_path, kind)}", check=False
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    assert re.search(rf"error: {message}", output) and "Traceback" not in output, output[-3000:]
+
+
+def test_two_ddp_ranks_predict_what_one_process_does(run_entry_point, trained, tmp_path):
+    val = run_entry_point.root / "data" / "shapes" / "val"
+    _, alone = predict(run_entry_point, trained, val, tmp_path / "alone")
+    ranks = ("trainer.accelerator=cpu", "trainer.devices=2", "strategy=ddp")
+    _, split = predict(run_entry_point, trained, val, tmp_path / "ddp", *ranks)
+    assert [row["path"] for row in split] == [row["path"] for row in alone]
+    for one, two in zip(alone, split, strict=True):
+        assert one["class"] == two["class"]
+        assert float(one["probability"]) == pytest.approx(float(two["probability"]), abs=1e-5)
