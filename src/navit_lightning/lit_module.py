@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MaxMetric
-from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
 from navit_lightning.data.packing import IGNORE_LABEL, PackedBatch, image_index
 from navit_lightning.models import NaViT, build_head
@@ -76,6 +76,9 @@ class NaViTClassifier(L.LightningModule):
         )
         # Fed the synced val accuracy, the same on every rank: nothing left to sync.
         self.val_acc_best = MaxMetric(sync_on_compute=False)
+        # Of the validation images, over every rank: the last epoch's, for pictures.LogPictures.
+        self.val_confusion = MulticlassConfusionMatrix(num_classes, validate_args=False)
+        self.val_confusion_matrix: torch.Tensor | None = None
         # Taken from the next batch on the host by on_before_batch_transfer, used once by its step.
         self._host_counts: BatchCounts | None = None
         # Of the latest step's batch: read by PackedThroughputMonitor, and the model FLOPs by
@@ -110,6 +113,8 @@ class NaViTClassifier(L.LightningModule):
         loss = image_loss(logits, labels)
         if num_images:  # torchmetrics refuses empty inputs; its state syncs at compute anyway
             self.accuracy[f"{stage}_acc"].update(logits, labels)
+            if stage == "val":
+                self.val_confusion.update(logits, labels)
         log = dict(batch_size=max(num_images, 1), sync_dist=stage != "train")
         self.log(f"{stage}/loss", loss, prog_bar=True, on_step=stage == "train", on_epoch=True, **log)
         self.log(
@@ -154,6 +159,8 @@ class NaViTClassifier(L.LightningModule):
             self.val_acc_best(self.accuracy["val_acc"].compute())
             # sync_dist of equal values: no news, but Lightning warns about epoch logs without it
             self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True, sync_dist=True)
+            self.val_confusion_matrix = self.val_confusion.compute()
+        self.val_confusion.reset()
 
     def configure_optimizers(self) -> dict:
         optimizer = self.optimizer_factory(params=parameter_groups(self))

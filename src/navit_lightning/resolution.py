@@ -13,7 +13,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
-from navit_lightning.utils.figures import log_figure, resolution_figure
+from navit_lightning.pictures import log_figure, resolution_figure
 
 RESULTS_NAME = "resolution_accuracy"
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import hydra
 import lightning as L
 import torch
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -18,6 +19,9 @@ from navit_lightning.utils.entry_point import launch, log_config, run_task
 from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.shutdown import explain_collective_failure
 from navit_lightning.utils.validate import check_launch
+
+# The run's results beside its settings (TensorBoard's HPARAMS tab): hp/ name -> metric.
+HP_METRICS = {"hp/val_acc": "val/acc_best", "hp/test_acc": "test/acc"}
 
 
 def build(
@@ -41,7 +45,10 @@ def build(
     loggers = instantiate_group(cfg.get("logger"))
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     for logger in trainer.loggers:
-        logger.log_hyperparams(run_config)
+        if isinstance(logger, TensorBoardLogger):  # its HPARAMS tab lists the metrics named here
+            logger.log_hyperparams(run_config, dict.fromkeys(HP_METRICS, 0.0))
+        else:
+            logger.log_hyperparams(run_config)
     return datamodule, model, trainer
 
 
@@ -65,6 +72,10 @@ def train(cfg: DictConfig) -> dict[str, float]:
                 trainer, model, datamodule, list(cfg.patch_budgets), "val", best or None
             )
             report(results, trainer, Path(cfg.paths.output_dir), "val, best checkpoint" if best else "val")
+    final = {name: metrics[source] for name, source in HP_METRICS.items() if source in metrics}
+    for logger in trainer.loggers:
+        logger.log_metrics(final, step=trainer.global_step)
+        logger.finalize("success")
     return metrics
 
 

@@ -1,0 +1,47 @@
+"""Pictures in TensorBoard: what a short default run shows, and that a packed batch is drawn
+from exactly its images."""
+
+import numpy as np
+import pytest
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from navit_lightning.data.packing import PackedShape, pack
+from navit_lightning.data.transforms import image_to_sample
+from navit_lightning.pictures import packed_batch_figure, unpack_images
+from tests.conftest import TINY_RUN, logged_scalars
+
+
+def test_unpacked_images_are_the_packed_ones_pixel_for_pixel():
+    rng = np.random.default_rng(0)
+    pictures = [rng.integers(0, 256, (h * 8, w * 8, 3), dtype=np.uint8) for h, w in [(2, 5), (4, 1), (3, 3)]]
+    samples = [image_to_sample(Image.fromarray(p), label, 8, 64) for label, p in enumerate(pictures)]
+    batch = pack(samples, PackedShape(rows=2, row_len=16, max_images=4), 8 * 8 * 3)
+    unpacked = [image for row in unpack_images(batch, 8) for image in row]
+    # every image comes back once, whatever row and slot the packer gave it
+    order = batch.labels.flatten()[batch.labels.flatten() >= 0].tolist()
+    assert sorted(order) == [0, 1, 2]
+    for label, image in zip(order, unpacked, strict=True):
+        np.testing.assert_array_equal(image, pictures[label])
+    assert len(packed_batch_figure(batch, 8).axes) == 2
+
+
+@pytest.mark.slow
+def test_a_short_default_run_shows_pictures_and_hparams(run_entry_point):
+    run_entry_point("train.py", *TINY_RUN, "trainer.max_epochs=2")
+    run = next((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    images = {tag: [event.step for event in events.Images(tag)] for tag in events.Tags()["images"]}
+    assert {
+        "pictures/packed_batch", "pictures/val_predictions", "pictures/confusion_matrix", "resolution/accuracy"
+    } <= set(images)  # fmt: skip
+    scalars = logged_scalars(run / "tensorboard")
+    validations = [step for step, _ in scalars["val/acc"]]
+    # one picture per validation epoch, none from the sanity check (step 0)
+    for tag in ("pictures/val_predictions", "pictures/confusion_matrix", "pictures/packed_batch"):
+        assert len(images[tag]) == len(validations) == 2 and 0 not in images[tag], (tag, images[tag])
+    # the HPARAMS tab: the run's settings and its final results
+    assert "hp/val_acc" in str(events.PluginTagToContent("hparams"))
+    assert scalars["hp/val_acc"][-1][1] == pytest.approx(max(value for _, value in scalars["val/acc"]))
+    assert scalars["hp/test_acc"][-1][1] == pytest.approx(scalars["test/acc"][-1][1])
