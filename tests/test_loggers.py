@@ -1,0 +1,91 @@
+"""Each logger in a real train.py run, offline."""
+
+from __future__ import annotations
+
+import csv
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY_RUN, logged_scalars
+
+pytestmark = pytest.mark.slow
+
+
+def run_folder(root: Path, task: str = "train") -> Path:
+    (run,) = (root / "logs" / task / "runs").iterdir()
+    return run
+
+
+def console_count(result: subprocess.CompletedProcess, pattern: str) -> int:
+    """The number that `pattern` captures in the run's console output."""
+    found = re.search(pattern, result.stdout + result.stderr)
+    assert found, f"{pattern!r} not in the output:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return int(found.group(1))
+
+
+def trained_batches(result: subprocess.CompletedProcess) -> int:
+    return console_count(result, r"training batches per rank: \[(\d+)\]")
+
+
+def csv_losses(metrics: Path) -> list[float]:
+    with metrics.open() as file:
+        return [float(row["train/loss_step"]) for row in csv.DictReader(file) if row["train/loss_step"]]
+
+
+def test_csv_logger_writes_every_step_into_the_run_folder(run_entry_point):
+    result = run_entry_point("train.py", "logger=csv", *TINY_RUN)
+    run = run_folder(run_entry_point.root)
+    assert len(csv_losses(run / "csv" / "metrics.csv")) == trained_batches(result)
+    with (run / "csv" / "metrics.csv").open() as file:
+        columns = next(csv.reader(file))
+    assert {"val/acc", "test/acc", "lr-AdamW/pg1"} <= set(columns)
+    assert "model:" in (run / "csv" / "hparams.yaml").read_text()
+    assert not (run / "tensorboard").exists()
+
+
+def test_many_gives_tensorboard_and_csv_the_same_values(run_entry_point):
+    run_entry_point("train.py", "logger=many", *TINY_RUN)
+    run = run_folder(run_entry_point.root)
+    board = [value for _, value in logged_scalars(run / "tensorboard")["train/loss_step"]]
+    assert board == pytest.approx(csv_losses(run / "csv" / "metrics.csv"))
+    assert len(board) > 1
+
+
+def test_mlflow_logger_keeps_runs_in_one_local_database(run_entry_point):
+    mlflow = pytest.importorskip("mlflow")
+    result = run_entry_point("train.py", "logger=mlflow", *TINY_RUN)
+    root = run_entry_point.root
+    client = mlflow.MlflowClient(f"sqlite:///{root}/logs/mlflow/mlflow.db")
+    (stored,) = client.search_runs([client.get_experiment_by_name("train").experiment_id])
+    assert stored.info.status == "FINISHED"
+    assert stored.data.tags["run_dir"] == str(run_folder(root))
+    assert stored.data.params["model/net/dim"] == "32"
+    assert {"val/acc", "test/acc"} <= set(stored.data.metrics)
+    losses = client.get_metric_history(stored.info.run_id, "train/loss_step")
+    assert [metric.step for metric in losses] == list(range(trained_batches(result)))
+    # nothing in the working directory (mlflow's default ./mlruns)
+    assert sorted(path.name for path in root.iterdir()) == ["data", "logs"]
+
+
+def test_wandb_logger_writes_an_offline_run_into_the_run_folder(run_entry_point, tmp_path_factory):
+    pytest.importorskip("wandb")
+    home = tmp_path_factory.mktemp("wandb_home")
+    env = {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        # its settings and caches, in the user's home otherwise
+        "WANDB_CONFIG_DIR": str(home / "config"),
+        "WANDB_CACHE_DIR": str(home / "cache"),
+        "WANDB_DATA_DIR": str(home / "data"),
+    }
+    run_entry_point("train.py", "logger=wandb", *TINY_RUN, env=env)
+    root = run_entry_point.root
+    (offline,) = (run_folder(root) / "wandb").glob("offline-run-*")
+    (history,) = offline.glob("run-*.wandb")
+    # wandb's binary record log names each metric it holds
+    records = history.read_bytes()
+    assert b"train/loss_step" in records and b"val/acc" in records
+    assert sorted(path.name for path in root.iterdir()) == ["data", "logs"]
