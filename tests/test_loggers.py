@@ -1,4 +1,4 @@
-"""Each logger in a real train.py run, offline."""
+"""Each logger and debug preset in a real train.py run, offline."""
 
 from __future__ import annotations
 
@@ -89,3 +89,33 @@ def test_wandb_logger_writes_an_offline_run_into_the_run_folder(run_entry_point,
     records = history.read_bytes()
     assert b"train/loss_step" in records and b"val/acc" in records
     assert sorted(path.name for path in root.iterdir()) == ["data", "logs"]
+
+
+def test_debug_limit_runs_a_few_batches_of_each_stage(run_entry_point):
+    result = run_entry_point("train.py", "debug=limit", *TINY_RUN)
+    planned = console_count(result, r"train: (\d+) batches per epoch")
+    assert trained_batches(result) == 5 < planned
+    scalars = logged_scalars(run_folder(run_entry_point.root, "debug") / "tensorboard")
+    assert max(count for _, count in scalars["validate/batches"]) == 2
+    assert max(count for _, count in scalars["test/batches"]) == 2
+
+
+def test_debug_overfit_memorises_the_same_two_batches(run_entry_point):
+    result = run_entry_point("train.py", "debug=overfit", *TINY_RUN, "trainer.max_epochs=10")
+    assert trained_batches(result) == 20
+    scalars = logged_scalars(run_folder(run_entry_point.root, "debug") / "tensorboard")
+    losses = [value for _, value in scalars["train/loss_step"]]
+    assert len(losses) == 20
+    # The loss on each batch falls every epoch, as it does only on the same images (with
+    # other images at each epoch, as when the loader shuffled, it rose and fell here).
+    assert all(later < earlier for earlier, later in zip(losses[:-2], losses[2:], strict=True)), losses
+    assert sum(losses[-2:]) < 0.9 * sum(losses[:2]), losses
+    assert "test/acc" not in scalars
+
+
+def test_debug_profiler_writes_its_report_into_the_run_folder(run_entry_point):
+    result = run_entry_point("train.py", "debug=profiler", *TINY_RUN)
+    report = (run_folder(run_entry_point.root, "debug") / "fit-profile.txt").read_text()
+    assert report.startswith("FIT Profiler Report")
+    calls = re.search(r"\|\s+run_training_batch\s+\|\s+[\d.]+\s+\|\s+(\d+)\s+\|", report)
+    assert calls and int(calls.group(1)) == trained_batches(result), report[:3000]
