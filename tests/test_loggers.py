@@ -1,4 +1,4 @@
-"""Each logger and debug preset in a real train.py run, offline."""
+"""Each logger, debug preset and the device-stats callback in a real train.py run, offline."""
 
 from __future__ import annotations
 
@@ -119,3 +119,14 @@ def test_debug_profiler_writes_its_report_into_the_run_folder(run_entry_point):
     assert report.startswith("FIT Profiler Report")
     calls = re.search(r"\|\s+run_training_batch\s+\|\s+[\d.]+\s+\|\s+(\d+)\s+\|", report)
     assert calls and int(calls.group(1)) == trained_batches(result), report[:3000]
+
+
+def test_device_stats_logs_the_cpu_use_at_every_logged_step(run_entry_point):
+    result = run_entry_point("train.py", "callbacks=device_stats", *TINY_RUN)
+    scalars = logged_scalars(run_folder(run_entry_point.root) / "tensorboard")
+    for hook in ("on_train_batch_start", "on_train_batch_end"):
+        for stat in ("cpu_percent", "cpu_vm_percent", "cpu_swap_percent"):
+            values = scalars[f"DeviceStatsMonitor.{hook}/{stat}"]
+            assert len(values) == trained_batches(result)
+            assert all(0 <= value <= 100 for _, value in values)
+    assert all(value > 0 for _, value in scalars["DeviceStatsMonitor.on_train_batch_end/cpu_vm_percent"])
