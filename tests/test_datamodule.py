@@ -5,6 +5,7 @@ import sys
 import time
 from pathlib import Path
 
+import lightning as L
 import torch
 
 from navit_lightning.data.datamodule import PackedImageDataModule
@@ -147,3 +148,51 @@ def test_loader_workers_end_with_a_training_process_killed_by_sigkill(project_ro
     while (alive := [pid for pid in left if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive, [Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in alive]
+
+
+class RecordBatches(L.LightningModule):
+    """Records every training batch; one parameter, so that the optimizer has a step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+        self.seen: list[tuple[int, PackedBatch]] = []
+
+    def training_step(self, batch: PackedBatch, batch_idx: int) -> torch.Tensor:
+        self.seen.append((self.current_epoch, batch))
+        return self.weight * 0
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_overfit_batches_sees_the_same_batches_every_epoch(project_root):
+    """Lightning turns shuffling off for overfit_batches by swapping a loader's sampler; ours
+    shuffles inside its batch sampler, where Lightning does not look (it sees the loader's
+    SequentialSampler and says nothing), so the datamodule turns it off itself."""
+    datamodule = PackedImageDataModule(
+        str(project_root / "data" / "shapes"),
+        patch_size=16,
+        max_patches=64,
+        rows=4,
+        row_len=64,
+        hflip=0.0,
+        num_workers=0,
+    )
+    model = RecordBatches()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        overfit_batches=2,
+        max_epochs=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(model, datamodule=datamodule)
+    epochs = [[batch for epoch, batch in model.seen if epoch == e] for e in range(3)]
+    assert [len(batches) for batches in epochs] == [2, 2, 2]
+    assert_same_batches(epochs[1], epochs[0])
+    assert_same_batches(epochs[2], epochs[0])

@@ -192,11 +192,15 @@ class PackedImageDataModule(L.LightningDataModule):
         """The sampler that plans `split`'s packed batches for this rank."""
         trainer = self.trainer
         train = split == "train"
+        # trainer.overfit_batches: the same first batches every epoch. Lightning turns a
+        # loader's shuffling off by swapping its sampler, but ours shuffles inside the batch
+        # sampler, where Lightning does not look (it sees a SequentialSampler, says nothing).
+        overfit = bool(trainer and trainer.overfit_batches)
         return PackedBatchSampler(
             self.datasets[split].sizes,
             self.process_shape(split),
             self.train_policy if train else self.eval_policy,
-            shuffle=train,
+            shuffle=train and not overfit,
             seed=self.seed,
             lookahead=self.lookahead,
             num_replicas=trainer.world_size if trainer else 1,

@@ -1,0 +1,132 @@
+"""Each logger, debug preset and the device-stats callback in a real train.py run, offline."""
+
+from __future__ import annotations
+
+import csv
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY_RUN, logged_scalars
+
+pytestmark = pytest.mark.slow
+
+
+def run_folder(root: Path, task: str = "train") -> Path:
+    (run,) = (root / "logs" / task / "runs").iterdir()
+    return run
+
+
+def console_count(result: subprocess.CompletedProcess, pattern: str) -> int:
+    """The number that `pattern` captures in the run's console output."""
+    found = re.search(pattern, result.stdout + result.stderr)
+    assert found, f"{pattern!r} not in the output:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return int(found.group(1))
+
+
+def trained_batches(result: subprocess.CompletedProcess) -> int:
+    return console_count(result, r"training batches per rank: \[(\d+)\]")
+
+
+def csv_losses(metrics: Path) -> list[float]:
+    with metrics.open() as file:
+        return [float(row["train/loss_step"]) for row in csv.DictReader(file) if row["train/loss_step"]]
+
+
+def test_csv_logger_writes_every_step_into_the_run_folder(run_entry_point):
+    result = run_entry_point("train.py", "logger=csv", *TINY_RUN)
+    run = run_folder(run_entry_point.root)
+    assert len(csv_losses(run / "csv" / "metrics.csv")) == trained_batches(result)
+    with (run / "csv" / "metrics.csv").open() as file:
+        columns = next(csv.reader(file))
+    assert {"val/acc", "test/acc", "lr-AdamW/pg1"} <= set(columns)
+    assert "model:" in (run / "csv" / "hparams.yaml").read_text()
+    assert not (run / "tensorboard").exists()
+
+
+def test_many_gives_tensorboard_and_csv_the_same_values(run_entry_point):
+    run_entry_point("train.py", "logger=many", *TINY_RUN)
+    run = run_folder(run_entry_point.root)
+    board = [value for _, value in logged_scalars(run / "tensorboard")["train/loss_step"]]
+    assert board == pytest.approx(csv_losses(run / "csv" / "metrics.csv"))
+    assert len(board) > 1
+
+
+def test_mlflow_logger_keeps_runs_in_one_local_database(run_entry_point):
+    mlflow = pytest.importorskip("mlflow")
+    result = run_entry_point("train.py", "logger=mlflow", *TINY_RUN)
+    root = run_entry_point.root
+    client = mlflow.MlflowClient(f"sqlite:///{root}/logs/mlflow/mlflow.db")
+    (stored,) = client.search_runs([client.get_experiment_by_name("train").experiment_id])
+    assert stored.info.status == "FINISHED"
+    assert stored.data.tags["run_dir"] == str(run_folder(root))
+    assert stored.data.params["model/net/dim"] == "32"
+    assert {"val/acc", "test/acc"} <= set(stored.data.metrics)
+    losses = client.get_metric_history(stored.info.run_id, "train/loss_step")
+    assert [metric.step for metric in losses] == list(range(trained_batches(result)))
+    # nothing in the working directory (mlflow's default ./mlruns)
+    assert sorted(path.name for path in root.iterdir()) == ["data", "logs"]
+
+
+def test_wandb_logger_writes_an_offline_run_into_the_run_folder(run_entry_point, tmp_path_factory):
+    pytest.importorskip("wandb")
+    home = tmp_path_factory.mktemp("wandb_home")
+    env = {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        # its settings and caches, in the user's home otherwise
+        "WANDB_CONFIG_DIR": str(home / "config"),
+        "WANDB_CACHE_DIR": str(home / "cache"),
+        "WANDB_DATA_DIR": str(home / "data"),
+    }
+    run_entry_point("train.py", "logger=wandb", *TINY_RUN, env=env)
+    root = run_entry_point.root
+    (offline,) = (run_folder(root) / "wandb").glob("offline-run-*")
+    (history,) = offline.glob("run-*.wandb")
+    # wandb's binary record log names each metric it holds
+    records = history.read_bytes()
+    assert b"train/loss_step" in records and b"val/acc" in records
+    assert sorted(path.name for path in root.iterdir()) == ["data", "logs"]
+
+
+def test_debug_limit_runs_a_few_batches_of_each_stage(run_entry_point):
+    result = run_entry_point("train.py", "debug=limit", *TINY_RUN)
+    planned = console_count(result, r"train: (\d+) batches per epoch")
+    assert trained_batches(result) == 5 < planned
+    scalars = logged_scalars(run_folder(run_entry_point.root, "debug") / "tensorboard")
+    assert max(count for _, count in scalars["validate/batches"]) == 2
+    assert max(count for _, count in scalars["test/batches"]) == 2
+
+
+def test_debug_overfit_memorises_the_same_two_batches(run_entry_point):
+    result = run_entry_point("train.py", "debug=overfit", *TINY_RUN, "trainer.max_epochs=10")
+    assert trained_batches(result) == 20
+    scalars = logged_scalars(run_folder(run_entry_point.root, "debug") / "tensorboard")
+    losses = [value for _, value in scalars["train/loss_step"]]
+    assert len(losses) == 20
+    # The loss on each batch falls every epoch, as it does only on the same images (with
+    # other images at each epoch, as when the loader shuffled, it rose and fell here).
+    assert all(later < earlier for earlier, later in zip(losses[:-2], losses[2:], strict=True)), losses
+    assert sum(losses[-2:]) < 0.9 * sum(losses[:2]), losses
+    assert "test/acc" not in scalars
+
+
+def test_debug_profiler_writes_its_report_into_the_run_folder(run_entry_point):
+    result = run_entry_point("train.py", "debug=profiler", *TINY_RUN)
+    report = (run_folder(run_entry_point.root, "debug") / "fit-profile.txt").read_text()
+    assert report.startswith("FIT Profiler Report")
+    calls = re.search(r"\|\s+run_training_batch\s+\|\s+[\d.]+\s+\|\s+(\d+)\s+\|", report)
+    assert calls and int(calls.group(1)) == trained_batches(result), report[:3000]
+
+
+def test_device_stats_logs_the_cpu_use_at_every_logged_step(run_entry_point):
+    result = run_entry_point("train.py", "callbacks=device_stats", *TINY_RUN)
+    scalars = logged_scalars(run_folder(run_entry_point.root) / "tensorboard")
+    for hook in ("on_train_batch_start", "on_train_batch_end"):
+        for stat in ("cpu_percent", "cpu_vm_percent", "cpu_swap_percent"):
+            values = scalars[f"DeviceStatsMonitor.{hook}/{stat}"]
+            assert len(values) == trained_batches(result)
+            assert all(0 <= value <= 100 for _, value in values)
+    assert all(value > 0 for _, value in scalars["DeviceStatsMonitor.on_train_batch_end/cpu_vm_percent"])
