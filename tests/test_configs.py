@@ -23,6 +23,7 @@ GROUPS = [
     "logger",
     "experiment",
     "debug",
+    "hparams_search",
 ]
 OPTIONS = [
     f"{group}={path.stem}" for group in GROUPS for path in sorted((Path(CONFIG_DIR) / group).glob("*.yaml"))

@@ -33,9 +33,8 @@ def test_a_short_default_run_shows_pictures_and_hparams(run_entry_point):
     events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0})
     events.Reload()
     images = {tag: [event.step for event in events.Images(tag)] for tag in events.Tags()["images"]}
-    assert {
-        "pictures/packed_batch", "pictures/val_predictions", "pictures/confusion_matrix", "resolution/accuracy"
-    } <= set(images)  # fmt: skip
+    pictures = ["pictures/packed_batch", "pictures/val_predictions", "pictures/confusion_matrix"]
+    assert {*pictures, "resolution/accuracy"} <= set(images)
     scalars = logged_scalars(run / "tensorboard")
     validations = [step for step, _ in scalars["val/acc"]]
     # one picture per validation epoch, none from the sanity check (step 0)

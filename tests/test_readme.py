@@ -79,6 +79,9 @@ def as_run_here(command: str, run: str, images: Path) -> tuple[str, Path | None]
             filled = re.sub(r"MASTER_ADDR=\S+ MASTER_PORT=\S+ NODE_RANK=\S+", "", filled)
             filled = f"MASTER_ADDR=127.0.0.1 MASTER_PORT={free_port()} NODE_RANK=0 " + filled.strip()
             filled = filled.replace("trainer.num_nodes=N", "trainer.num_nodes=1")
+        if "hparams_search=" in filled:  # fewer trials, and a study of its own to run them in
+            study = f"readme{abs(hash(filled)) % 10**6}"
+            shrink += f" hydra.sweeper.n_trials=2 hydra.sweeper.study_name={study}"
         return f"{filled} {shrink if 'train.py' in filled else ''}", None
     if filled.startswith("torchrun"):  # the multi-node recipe on one node: this host
         for written, here in [

@@ -48,6 +48,9 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
     command += list(hydra_cfg.overrides.task)
     output_dir = Path(hydra_cfg.runtime.output_dir).as_posix()
     command += [f'hydra.run.dir="{output_dir}"', f"hydra.job.name=train_ddp_process_{local_rank}"]
+    # a single run even where the config asks for a sweep (hparams_search sets hydra.mode):
+    # the job's overrides hold the trial's values, which every rank must train
+    command += ["hydra.mode=RUN"]
     command += QUIET_RANK_OVERRIDES
     return command, get_original_cwd()
 

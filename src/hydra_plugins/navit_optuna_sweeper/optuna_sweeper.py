@@ -1,0 +1,172 @@
+"""A Hydra sweeper that runs an Optuna study: `python train.py -m hparams_search=optuna`.
+
+Each trial is one Hydra job whose overrides carry the sampled values, so under strategy=ddp
+every rank of a trial (started with that job's overrides, strategies/ddp.py) trains the
+same parameters. The study lives in a storage the sweeper alone reads and writes (SQLite in
+the sweep folder by default): rerunning the same command continues it, a trial cut short by
+a crash is counted as failed, and only the missing trials run.
+
+It lives in the `hydra_plugins` package because Hydra instantiates sweepers from there only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Override, RangeSweep
+from hydra.core.plugins import Plugins
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+
+def distribution(override: Override) -> Any:
+    """The Optuna distribution of a sweep override in Hydra's syntax (as hydra-optuna-sweeper
+    reads it): interval(a, b) [tag(log, ...)], range(a, b[, step]), choice(...)."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    sweep = override.value()
+    if isinstance(sweep, IntervalSweep):
+        log_scale = "log" in sweep.tags
+        if isinstance(sweep.start, int) and isinstance(sweep.end, int) and not log_scale:
+            return IntDistribution(sweep.start, sweep.end)
+        return FloatDistribution(sweep.start, sweep.end, log=log_scale)
+    if isinstance(sweep, RangeSweep):
+        # the last value range() yields: its stop is excluded, as Python's is
+        last = sweep.start + (math.ceil((sweep.stop - sweep.start) / sweep.step) - 1) * sweep.step
+        if all(isinstance(value, int) for value in (sweep.start, sweep.stop, sweep.step)):
+            return IntDistribution(sweep.start, last, step=sweep.step)
+        return FloatDistribution(sweep.start, last, step=sweep.step)
+    if isinstance(sweep, ChoiceSweep):
+        return CategoricalDistribution(sweep.list)
+    raise ValueError(
+        f"hydra.sweeper.params.{override.key_or_group}={override.input_line} is not a search "
+        "space: use interval(a, b), tag(log, interval(a, b)), range(a, b, step=s) or choice(a, b)"
+    )
+
+
+class OptunaSweeper(Sweeper):
+    def __init__(
+        self,
+        study_name: str,
+        storage: str | None,
+        direction: str,
+        n_trials: int,
+        n_jobs: int,
+        seed: int,
+        params: dict[str, str],
+    ) -> None:
+        self.study_name = study_name
+        self.storage = storage
+        self.direction = direction
+        self.n_trials = n_trials
+        self.n_jobs = n_jobs
+        self.seed = seed
+        self.params = params
+        self.launcher: Any = None
+        self.config: DictConfig | None = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config = config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
+
+    def sweep(self, arguments: list[str]) -> None:
+        import optuna
+
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # every process of torchrun or srun would run a study of its own (and ask for
+            # other parameters than its peers)
+            log.error(
+                "error: hparams_search runs as one process: python train.py -m hparams_search=optuna "
+                "strategy=ddp trainer.devices=N (each trial's ranks are started by Lightning), not "
+                "under torchrun or srun; on SLURM use hydra/launcher=slurm"
+            )
+            raise SystemExit(2)
+
+        parser = OverridesParser.create()
+        fixed = [o for o in parser.parse_overrides(arguments) if not o.is_sweep_override()]
+        if len(fixed) != len(arguments):
+            raise ValueError("hparams_search=optuna searches hydra.sweeper.params: give fixed values only")
+        space = {
+            o.get_key_element(): distribution(o)
+            for o in parser.parse_overrides([f"{key}={value}" for key, value in self.params.items()])
+        }
+        sweep_dir = Path(self.config.hydra.sweep.dir)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        study = optuna.create_study(
+            study_name=self.study_name,
+            storage=self.storage,
+            sampler=optuna.samplers.TPESampler(seed=self.seed),
+            direction=self.direction,
+            load_if_exists=True,
+        )
+        self._fail_interrupted(study)
+        done = sum(trial.state.is_finished() for trial in study.trials)
+        log.info(f"Optuna study {self.study_name!r} in {self.storage}: {done} of {self.n_trials} trials done")
+        while (
+            todo := self.n_trials - sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+        ) > 0:
+            trials = [study.ask(space) for _ in range(min(self.n_jobs, todo))]
+            overrides = [
+                [*(o.input_line for o in fixed), *(f"{key}={value}" for key, value in trial.params.items())]
+                for trial in trials
+            ]
+            results = self.launcher.launch(overrides, initial_job_idx=trials[0].number)
+            for trial, result in zip(trials, results, strict=True):
+                self._tell(study, trial, result)
+        self._write_results(study, sweep_dir)
+
+    @staticmethod
+    def _fail_interrupted(study: Any) -> None:
+        """Trials left running by a crashed sweep are failed: they are run again as new ones."""
+        import optuna
+
+        for trial in study.get_trials(deepcopy=False, states=[optuna.trial.TrialState.RUNNING]):
+            study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+            log.warning(
+                f"trial {trial.number} was cut short by an earlier crash: it runs again as a new trial"
+            )
+
+    @staticmethod
+    def _tell(study: Any, trial: Any, result: Any) -> None:
+        import optuna
+
+        try:
+            value = result.return_value  # raises the job's exception
+        except Exception as error:
+            log.warning(f"trial {trial.number} failed: {error!r}")
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            return
+        if value is None:
+            log.warning(f"trial {trial.number} returned no value: is optimized_metric logged?")
+            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            return
+        study.tell(trial, float(value))
+        log.info(f"trial {trial.number}: {float(value):.4f} with {trial.params}")
+
+    def _write_results(self, study: Any, sweep_dir: Path) -> None:
+        results = {
+            "name": "optuna",
+            "study_name": self.study_name,
+            "direction": self.direction,
+            "best_trial": study.best_trial.number,
+            "best_params": study.best_params,
+            "best_value": study.best_value,
+            "trials": [
+                {"number": t.number, "state": t.state.name, "value": t.value, "params": t.params}
+                for t in study.trials
+            ],
+        }
+        OmegaConf.save(OmegaConf.create(results), sweep_dir / "optimization_results.yaml")
+        log.info(
+            f"best {study.best_value:.4f} with {study.best_params}: {sweep_dir / 'optimization_results.yaml'}"
+        )

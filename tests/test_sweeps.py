@@ -1,0 +1,63 @@
+"""python train.py -m hparams_search=optuna: a study of short trials, with 2-rank ddp trials,
+and continued after a crash."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.conftest import TINY_RUN
+
+pytestmark = pytest.mark.slow
+
+PARAMS = ["optimizer.lr", "optimizer.weight_decay", "scheduler.warmup_steps", "data.min_patches"]
+
+
+def study_folder(run_entry_point):
+    return run_entry_point.root / "logs" / "train" / "optuna" / "shapes"
+
+
+def results(run_entry_point) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(study_folder(run_entry_point) / "optimization_results.yaml"))
+
+
+@pytest.mark.parametrize(
+    "ranks", [[], ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]], ids=["one", "ddp"]
+)
+def test_a_three_trial_study_writes_the_best_parameters(run_entry_point, ranks):
+    run_entry_point(
+        "train.py", "-m", "hparams_search=optuna", "hydra.sweeper.n_trials=3", *TINY_RUN, *ranks, timeout=600
+    )
+    found = results(run_entry_point)
+    trials = found["trials"]
+    assert [t["state"] for t in trials] == ["COMPLETE"] * 3
+    assert found["best_value"] == max(t["value"] for t in trials)
+    assert found["best_params"] == trials[found["best_trial"]]["params"]
+    for trial in trials:
+        job = study_folder(run_entry_point) / str(trial["number"])
+        overrides = OmegaConf.load(job / ".hydra" / "overrides.yaml")
+        # every job trained the values its trial asked for, and on every rank
+        for name in PARAMS:
+            assert f"{name}={trial['params'][name]}" in overrides
+        log = (job / "train.log").read_text()
+        assert f"world size {2 if ranks else 1}" in log
+        if ranks:
+            assert "training batches per rank: [" in log
+
+
+def test_the_same_command_continues_a_study_cut_short(run_entry_point):
+    import optuna
+
+    # a sweep that crashed during its second trial: one trial done, one left running
+    folder = study_folder(run_entry_point)
+    folder.mkdir(parents=True)
+    study = optuna.create_study(
+        study_name="shapes", storage=f"sqlite:///{folder}/optuna.db", direction="maximize"
+    )
+    study.tell(
+        study.ask({"optimizer.lr": optuna.distributions.FloatDistribution(1e-4, 4e-3, log=True)}), 0.25
+    )
+    study.ask()
+    result = run_entry_point("train.py", "-m", "hparams_search=optuna", "hydra.sweeper.n_trials=2", *TINY_RUN)
+    assert "trial 1 was cut short by an earlier crash" in result.stdout + result.stderr
+    found = results(run_entry_point)
+    assert [t["state"] for t in found["trials"]] == ["COMPLETE", "FAIL", "COMPLETE"]
+    assert sorted(p.name for p in folder.iterdir() if p.name.isdigit()) == ["2"]  # only the new trial ran
