@@ -5,10 +5,8 @@ import re
 
 import pytest
 
-from navit_lightning.resolution import read_results
+from navit_lightning.resolution import main, read_results
 from tests.conftest import TINY_RUN, logged_scalars
-
-pytestmark = pytest.mark.slow
 
 
 def accuracy_lines(output: str, split: str) -> dict[int, float]:
@@ -18,14 +16,14 @@ def accuracy_lines(output: str, split: str) -> dict[int, float]:
     return {int(budget): float(accuracy) for budget, accuracy in found}
 
 
+@pytest.mark.slow
 def test_training_ends_with_accuracy_across_resolutions_and_eval_py_agrees(run_entry_point):
     run_entry_point("train.py", *TINY_RUN)
     run = next((run_entry_point.root / "logs" / "train" / "runs").iterdir())
     trained = read_results(run / "resolution_accuracy.csv")
     assert [result.patch_budget for result in trained] == [9, 16, 36, 64]
     assert (run / "resolution_accuracy.png").stat().st_size > 10_000
-    events = next((run / "tensorboard").glob("events.out.tfevents.*"))
-    assert [step for step, _ in logged_scalars(events)["resolution/acc"]] == [9, 16, 36, 64]
+    assert [step for step, _ in logged_scalars(run / "tensorboard")["resolution/acc"]] == [9, 16, 36, 64]
 
     ckpt = run / "checkpoints" / "last.ckpt"
     plain = run_entry_point("eval.py", f"ckpt_path={ckpt}", "split=val")
@@ -43,3 +41,19 @@ def test_training_ends_with_accuracy_across_resolutions_and_eval_py_agrees(run_e
     assert all(p <= budget for p, budget in zip(patches, [4, 36, 100], strict=True))
     assert patches == sorted(patches) and patches[0] < patches[-1]
     assert all(result.images_per_s > 0 for result in results)
+
+
+def test_curves_of_several_runs_in_one_figure(tmp_path):
+    rows = "patch_budget,patches_per_image,accuracy,images_per_s\n4,3.9,0.3,100\n36,34.4,0.98,50\n"
+    for name in ("variable", "fixed"):
+        (tmp_path / f"{name}.csv").write_text(rows)
+    main(
+        [
+            f"variable={tmp_path / 'variable.csv'}",
+            f"fixed={tmp_path / 'fixed.csv'}",
+            "--out",
+            str(tmp_path / "both.png"),
+        ]
+    )
+    assert read_results(tmp_path / "fixed.csv")[1].accuracy == 0.98
+    assert (tmp_path / "both.png").stat().st_size > 10_000

@@ -4,6 +4,7 @@ resolution, measured). eval.py runs it on a checkpoint, train.py at the end of t
 
 from __future__ import annotations
 
+import argparse
 import csv
 import time
 from dataclasses import astuple, dataclass, fields
@@ -140,3 +141,22 @@ def read_results(path: Path) -> list[BudgetResult]:
             BudgetResult(int(row["patch_budget"]), *(float(row[f.name]) for f in fields(BudgetResult)[1:]))
             for row in csv.DictReader(file)
         ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m navit_lightning.resolution LABEL=<run>/resolution_accuracy.csv ... --out F.png:
+    the curves of several runs in one figure (e.g. variable against fixed resolution)."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("curves", nargs="+", metavar="LABEL=CSV")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    curves = {}
+    for curve in args.curves:
+        label, _, path = curve.rpartition("=")
+        curves[label or path] = read_results(Path(path))
+    resolution_figure(curves).savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
