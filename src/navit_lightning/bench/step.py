@@ -163,6 +163,8 @@ def measure(
     with tempfile.TemporaryDirectory() as output_dir:
         cfg = train_config([*overrides, f"paths.output_dir={output_dir}"])
         datamodule, model, trainer = build(cfg)
+        for logger in trainer.loggers:  # done writing (the run's hparams) before the folder goes
+            logger.finalize("success")
     deterministic = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
