@@ -154,6 +154,11 @@ class LogPictures(L.Callback):
     def __init__(self, rows: int = 6, images: int = 18) -> None:
         self.rows = rows
         self.images = images
+        self.class_names: list[str] = []
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # once: an image folder's names come from listing its class folders
+        self.class_names = trainer.datamodule.class_names()
 
     def _drawing(self, trainer: L.Trainer) -> bool:
         return trainer.is_global_zero and bool(trainer.loggers) and not trainer.sanity_checking
@@ -185,8 +190,8 @@ class LogPictures(L.Callback):
         with trainer.precision_plugin.forward_context():
             predicted = pl_module(batch, index).argmax(-1).tolist()
         images = [image for row in unpack_images(batch, pl_module.net.patch_size) for image in row]
-        names = trainer.datamodule.class_names()
         true = batch.labels.flatten()[index].tolist()
+        names = self.class_names
         figure = predictions_figure(
             images[: len(predicted)], [names[c] for c in predicted], [names[c] for c in true]
         )
@@ -195,5 +200,5 @@ class LogPictures(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         matrix = pl_module.val_confusion_matrix
         if matrix is not None and self._drawing(trainer):
-            figure = confusion_figure(matrix, trainer.datamodule.class_names())
+            figure = confusion_figure(matrix, self.class_names)
             log_figure(trainer.loggers, "pictures/confusion_matrix", figure, trainer.global_step)

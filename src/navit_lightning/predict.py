@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
 from navit_lightning import CONFIG_DIR
-from navit_lightning.data.folder import IMAGE_SUFFIXES, is_image_file
+from navit_lightning.data.folder import IMAGE_SUFFIXES, image_files_under
 from navit_lightning.errors import DataError
 from navit_lightning.utils.checkpoints import build_from_checkpoint, load_training_run
 from navit_lightning.utils.entry_point import launch, run_task
@@ -31,7 +31,7 @@ def image_files(input_path: Path) -> list[Path]:
         return [input_path]
     if not input_path.is_dir():
         raise DataError(f"input={input_path} does not exist: pass an image file or a folder of images")
-    files = sorted(path for path in input_path.rglob("*") if is_image_file(path))
+    files = image_files_under(input_path)
     if not files:
         raise DataError(
             f"input={input_path} holds no image files ({', '.join(sorted(IMAGE_SUFFIXES))}), "

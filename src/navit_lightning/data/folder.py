@@ -46,14 +46,14 @@ def check_class_folders(root: Path, classes: list[str]) -> None:
             )
 
 
+def image_files_under(folder: Path) -> list[Path]:
+    """Every image file under `folder`, recursively, sorted."""
+    return sorted(path for path in folder.rglob("*") if is_image_file(path))
+
+
 def list_images(root: Path, classes: list[str]) -> list[tuple[Path, int]]:
     """(path, label) of every image file under root/<class>/, in a stable order."""
-    return [
-        (path, label)
-        for label, name in enumerate(classes)
-        for path in sorted((root / name).rglob("*"))
-        if is_image_file(path)
-    ]
+    return [(path, label) for label, name in enumerate(classes) for path in image_files_under(root / name)]
 
 
 FLIP_BITS = (1 << 24) - 1
