@@ -76,6 +76,10 @@ def test_ddp_on_cpu_with_the_default_callbacks(run_entry_point, strategy, device
     )
     output = result.stdout + result.stderr
     assert f"world size {devices}" in output and re.search(r"test/acc\s+│\s+[0-9.]+", output)
+    # The end-of-run sweep's rates are timed in the ranks (under ddp_spawn not in the caller,
+    # whose clock never started: it once printed 48,000,000,000 images/s).
+    rates = [float(rate.replace(",", "")) for rate in re.findall(r"([0-9,]+) images/s", output)]
+    assert rates and all(0 < rate < 1e6 for rate in rates), rates
     # Split evenly: every rank ran the same number of batches.
     run = only((run_entry_point.root / "logs" / "train" / "runs").iterdir())
     assert_written_once_by_rank_zero(run, ranks=devices)

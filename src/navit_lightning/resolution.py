@@ -28,13 +28,14 @@ class BudgetResult:
 
 
 class EvalCounter(L.Callback):
-    """Images and real tokens of an evaluation, summed over its batches and ranks by
-    Lightning's logging (collectives in its own order: see utils/callbacks.py), and the
-    time from the first batch to the end."""
+    """Images and real tokens of an evaluation, summed over its batches and ranks, and the
+    seconds from its first batch to its epoch end on the slowest rank, all through
+    Lightning's logging (collectives in its own order: see utils/callbacks.py). Logged, not
+    kept here: under ddp_spawn this callback runs in the ranks, a copy of the caller's, and
+    only the logged metrics come back."""
 
     def __init__(self) -> None:
         self.started: float | None = None
-        self.elapsed = 0.0
 
     def on_validation_batch_start(self, *args: Any) -> None:
         self._start()
@@ -48,19 +49,20 @@ class EvalCounter(L.Callback):
     def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._count(pl_module, "test")
 
-    def on_validation_end(self, *args: Any) -> None:
-        self._stop()
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stop(pl_module, "val")
 
-    def on_test_end(self, *args: Any) -> None:
-        self._stop()
+    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stop(pl_module, "test")
 
     def _start(self) -> None:
         if self.started is None:
             self.started = time.perf_counter()
 
-    def _stop(self) -> None:
-        self.elapsed = time.perf_counter() - (self.started or time.perf_counter())
+    def _stop(self, pl_module: L.LightningModule, stage: str) -> None:
+        elapsed = time.perf_counter() - (self.started or time.perf_counter())
         self.started = None
+        pl_module.log(f"{stage}/seconds", elapsed, reduce_fx="max", sync_dist=True, batch_size=1)
 
     def _count(self, pl_module: L.LightningModule, stage: str) -> None:
         counts = pl_module.batch_counts
@@ -98,7 +100,7 @@ def accuracy_across_budgets(
                 budget,
                 float(metrics[f"{split}/real_tokens"]) / max(images, 1.0),
                 float(metrics[f"{split}/acc"]),
-                images / max(counter.elapsed, 1e-9),
+                images / max(float(metrics[f"{split}/seconds"]), 1e-9),
             )
             rank_zero_info(
                 f"{split} at patch budget {budget:>4}: {result.patches_per_image:6.1f} patches per image, "
