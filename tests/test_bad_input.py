@@ -9,7 +9,8 @@ import pytest
 from PIL import Image
 
 from navit_lightning.data.datamodule import PackedImageDataModule
-from navit_lightning.data.folder import ImageFolder, list_images
+from navit_lightning.data.folder import ImageFolder, split_images, warn_unreadable
+from navit_lightning.data.index import index_folder
 from navit_lightning.data.packing import PackCollate, PackedShape
 from navit_lightning.data.sampler import SizePolicy
 from navit_lightning.data.transforms import image_to_sample, to_rgb, upright_size
@@ -100,20 +101,21 @@ def test_huge_and_tiny_images_fit_the_patch_budget():
 
 def test_unreadable_files_are_left_out_at_scan_and_truncated_ones_when_decoded(tmp_path, caplog):
     root = make_messy_folder(tmp_path / "images")
-    items = list_images(root, ["a", "b"])
-    assert not any(path.suffix == ".txt" for path, _ in items)
+    images, unreadable = split_images(index_folder(root), root, "", ["a", "b"])
+    assert not any(path.endswith(".txt") for path in images.paths.tolist())
     with caplog.at_level(logging.WARNING):
-        dataset = ImageFolder(items, patch_size=16)
-    assert dataset.skipped_at_scan == 3
+        warn_unreadable(unreadable)
+    assert len(unreadable) == 3
     for name in ("garbage.jpg", "empty.png", "truncated.png"):
         assert caplog.text.count(f"{name}: not a readable image") == 1
     assert "truncated.jpg" not in caplog.text
+    dataset = ImageFolder(images, patch_size=16)
 
     caplog.clear()
     keys = SizePolicy(patch_size=16, max_patches=64).keys(dataset.sizes, seed=0, epoch=0)
     with caplog.at_level(logging.WARNING):
         samples = [dataset[key] for key in keys] + [dataset[key] for key in keys]
-    names = [path.name for path, _ in dataset.items]
+    names = [dataset.path(index).name for index in range(len(dataset))]
     assert [names[i % len(names)] for i, s in enumerate(samples) if s is None] == ["truncated.jpg"] * 2
     assert caplog.text.count("truncated.jpg") == 1  # warned once, counted every time
     assert dataset.take_unreadable_count() == 2

@@ -29,9 +29,9 @@ def test_a_flat_folder_is_split_by_seed_and_every_image_is_batched_once(project_
             str(tmp_path / "images"), patch_size=16, max_patches=64, num_workers=0
         )
         datamodule.setup("fit")
-        splits.append([path for path, _ in datamodule.datasets["val"].items])
+        splits.append(datamodule.datasets["val"].images.paths.tolist())
     assert splits[0] == splits[1] and len(splits[0]) == round(192 * 0.1)
-    train_paths = {path for path, _ in datamodule.datasets["train"].items}
+    train_paths = set(datamodule.datasets["train"].images.paths.tolist())
     assert train_paths.isdisjoint(splits[0]) and len(train_paths) == 192 - len(splits[0])
 
     batches = list(datamodule.val_dataloader())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import random
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -16,7 +15,16 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from navit_lightning.data import shapes
-from navit_lightning.data.folder import ImageFolder, check_class_folders, find_classes, list_images
+from navit_lightning.data.folder import (
+    ImageFolder,
+    check_class_folders,
+    find_classes,
+    hold_out,
+    images_of_files,
+    split_images,
+    warn_unreadable,
+)
+from navit_lightning.data.index import Manifest, index_folder, manifest_path
 from navit_lightning.data.packing import PackCollate, PackedShape
 from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
 from navit_lightning.errors import DataError
@@ -46,6 +54,8 @@ class PackedImageDataModule(L.LightningDataModule):
     `root` holds <class>/ folders, or train/ and val/ (and optionally test/) each holding them;
     without val/ a seeded `val_fraction` of the images is held out. With `generate` set, the
     built-in shapes set is written to `root` first (once, on one process per node).
+    Every image's size comes from the folder's manifest (data/index.py), brought up to date
+    on one process per node; it lies in `root`, or in `index_dir` if given.
     """
 
     def __init__(
@@ -68,6 +78,7 @@ class PackedImageDataModule(L.LightningDataModule):
         pin_memory: bool = True,
         seed: int = 0,
         generate: shapes.ShapesSpec | None = None,
+        index_dir: str | None = None,
     ) -> None:
         super().__init__()
         self.root = Path(root)
@@ -94,6 +105,7 @@ class PackedImageDataModule(L.LightningDataModule):
         self.pin_memory = pin_memory
         self.seed = seed
         self.generate = generate
+        self.index_dir = index_dir
         if multiprocessing_context not in (None, *multiprocessing.get_all_start_methods()):
             raise DataError(
                 f"data.multiprocessing_context={multiprocessing_context!r} is unknown: use one of "
@@ -106,6 +118,7 @@ class PackedImageDataModule(L.LightningDataModule):
             )
         self.datasets: dict[str, ImageFolder] = {}
         self.predict_paths: list[Path] = []
+        self._indexed = False
         self._train_position: dict[str, Any] | None = None  # from a checkpoint, for train_dataloader
 
     @property
@@ -124,8 +137,14 @@ class PackedImageDataModule(L.LightningDataModule):
         return classes
 
     def prepare_data(self) -> None:
+        if self.predict_paths:  # predict.py reads its input files, not data.root
+            return
         if self.generate is not None:
             shapes.generate(self.root, self.generate, workers=os.cpu_count() or 1)
+        if not self._indexed:  # once per process: fit, then test and validate call this again
+            self.class_names()  # a root that cannot train is refused before it is indexed
+            index_folder(self.root, self.index_dir, workers=os.cpu_count() or 1)
+            self._indexed = True
 
     def predict_on(self, paths: list[Path]) -> None:
         """The image files `predict_dataloader` serves (its stage does not read data.root).
@@ -135,36 +154,42 @@ class PackedImageDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         if stage == "predict":
             numbered = [(path, number) for number, path in enumerate(self.predict_paths)]
-            self.datasets["predict"] = ImageFolder(numbered, self.patch_size)
-            if not len(self.datasets["predict"]):
+            images, unreadable = images_of_files(numbered, workers=os.cpu_count() or 1)
+            warn_unreadable(unreadable)
+            if not len(images.labels):
                 raise DataError(
                     f"none of the {len(numbered)} input file(s) is a readable image (named above)"
                 )
+            self.datasets["predict"] = ImageFolder(images, self.patch_size)
             return
         if "train" in self.datasets:
             return
         classes = self.class_names()
-        if (self.root / "train").is_dir():
-            train = list_images(self.root / "train", classes)
-            val = list_images(self.root / "val", classes) if (self.root / "val").is_dir() else None
-            test = list_images(self.root / "test", classes) if (self.root / "test").is_dir() else None
-        else:
-            train, val, test = list_images(self.root, classes), None, None
-        if val is None:
-            random.Random(self.seed).shuffle(train)
-            held_out = max(1, round(len(train) * self.val_fraction))
-            train, val = train[held_out:], train[:held_out]
-        splits = {"train": train, "val": val, "test": test}
-        self.datasets = {
-            name: ImageFolder(items, self.patch_size, hflip=self.hflip if name == "train" else 0.0)
-            for name, items in splits.items()
-            if items is not None
-        }
-        for name, dataset in self.datasets.items():
-            if dataset.skipped_at_scan:
-                rank_zero_warn(f"{name}: left out {dataset.skipped_at_scan} unreadable files (named above)")
-            if not len(dataset):
+        # Written by prepare_data; indexed here where this datamodule runs without a Trainer.
+        manifest = Manifest.load(manifest_path(self.root, self.index_dir)) or index_folder(
+            self.root, self.index_dir
+        )
+        folders = {"train": "train", "val": "val", "test": "test"}
+        if not (self.root / "train").is_dir():
+            folders = {"train": ""}
+        splits = {}
+        for name, folder in folders.items():
+            if folder and not (self.root / folder).is_dir():
+                continue
+            images, unreadable = split_images(manifest, self.root, folder, classes)
+            warn_unreadable(unreadable)
+            if unreadable:
+                rank_zero_warn(f"{name}: left out {len(unreadable)} unreadable files (named above)")
+            splits[name] = images
+        if "val" not in splits:
+            splits["train"], splits["val"] = hold_out(splits["train"], self.val_fraction, self.seed)
+        for name, images in splits.items():
+            if not len(images.labels):
                 raise DataError(f"no readable images for the {name} split under {self.root}")
+        self.datasets = {
+            name: ImageFolder(images, self.patch_size, hflip=self.hflip if name == "train" else 0.0)
+            for name, images in splits.items()
+        }
         self.datasets.setdefault("test", self.datasets["val"])
 
     @property

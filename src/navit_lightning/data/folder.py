@@ -4,23 +4,22 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import random
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from torch.utils.data import Dataset
 
+from navit_lightning.data.index import IMAGE_SUFFIXES, UNREADABLE, Manifest, StringTable, read_sizes
 from navit_lightning.data.packing import ImageSample
 from navit_lightning.data.sampler import SampleKey
-from navit_lightning.data.transforms import drop_tokens, image_to_sample, upright_size
+from navit_lightning.data.transforms import drop_tokens, image_to_sample
 from navit_lightning.errors import DataError
 
 log = logging.getLogger(__name__)
-
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
-# What Pillow raises for a file that is not an image, or not a whole one.
-UNREADABLE = (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError)
 
 
 def find_classes(root: Path) -> list[str]:
@@ -51,9 +50,73 @@ def image_files_under(folder: Path) -> list[Path]:
     return sorted(path for path in folder.rglob("*") if is_image_file(path))
 
 
-def list_images(root: Path, classes: list[str]) -> list[tuple[Path, int]]:
-    """(path, label) of every image file under root/<class>/, in a stable order."""
-    return [(path, label) for label, name in enumerate(classes) for path in image_files_under(root / name)]
+@dataclass
+class Images:
+    """Readable images: paths (relative to root, or absolute with root Path()), labels and
+    upright sizes, as arrays: what a loader worker is sent, for a million images too."""
+
+    root: Path
+    paths: StringTable
+    labels: np.ndarray  # (N,) int64
+    sizes: np.ndarray  # (N, 2) int32, (height, width)
+
+    def take(self, rows: np.ndarray) -> Images:
+        return Images(self.root, self.paths.take(rows), self.labels[rows], self.sizes[rows])
+
+
+def hold_out(images: Images, fraction: float, seed: int) -> tuple[Images, Images]:
+    """(the rest, a seeded `fraction` of the images): train and val where no val/ is given."""
+    order = list(range(len(images.labels)))
+    random.Random(seed).shuffle(order)
+    held_out = max(1, round(len(order) * fraction))
+    return images.take(np.array(order[held_out:], dtype=np.int64)), images.take(
+        np.array(order[:held_out], dtype=np.int64)
+    )
+
+
+Unreadable = list[tuple[Path, str]]  # (path, why)
+
+
+def split_images(
+    manifest: Manifest, root: Path, folder: str, classes: list[str]
+) -> tuple[Images, Unreadable]:
+    """The readable images under root/<folder>/<class>/ (root/<class>/ for folder "") with
+    their classes' labels, and the unreadable ones, from root's manifest."""
+    prefix = f"{folder}/" if folder else ""
+    label_of = {f"{prefix}{name}": label for label, name in enumerate(classes)}
+    rows, labels = [], []
+    for row, path in enumerate(manifest.paths.tolist()):
+        label = label_of.get(path[: path.find("/", len(prefix))])
+        if label is not None:
+            rows.append(row)
+            labels.append(label)
+    rows_array, labels_array = np.array(rows, dtype=np.int64), np.array(labels, dtype=np.int64)
+    readable = manifest.readable[rows_array]
+    unreadable = [
+        (root / manifest.paths[row], manifest.reasons[row]) for row in rows_array[~readable].tolist()
+    ]
+    kept = rows_array[readable]
+    return Images(root, manifest.paths.take(kept), labels_array[readable], manifest.sizes[kept]), unreadable
+
+
+def images_of_files(items: list[tuple[Path, int]], workers: int = 1) -> tuple[Images, Unreadable]:
+    """Like split_images for (path, label) items without a manifest: their headers read here."""
+    results = read_sizes([str(path) for path, _ in items], workers, "Reading image sizes")
+    kept = [row for row, result in enumerate(results) if not isinstance(result, str)]
+    unreadable = [(path, why) for (path, _), why in zip(items, results, strict=True) if isinstance(why, str)]
+    images = Images(
+        Path(),
+        StringTable.of([str(items[row][0]) for row in kept]),
+        np.array([items[row][1] for row in kept], dtype=np.int64),
+        np.array([results[row] for row in kept], dtype=np.int32).reshape(-1, 2),
+    )
+    return images, unreadable
+
+
+def warn_unreadable(unreadable: Unreadable) -> None:
+    if rank_zero_only.rank == 0:  # every rank reads the same list
+        for path, why in unreadable:
+            log.warning("skipping %s: not a readable image (%s)", path, why)
 
 
 FLIP_BITS = (1 << 24) - 1
@@ -72,49 +135,42 @@ class ImageFolder(Dataset):
     hflip (a training augmentation; 0 for evaluation); the key's seed picks the dropped
     tokens and the flip.
 
-    Files whose header cannot be read are left out when the folder is scanned; an image
-    that fails to decode later (a truncated file) makes __getitem__ return None, which the
-    collate drops. Each bad file is warned about once and counted every time
+    Files whose header cannot be read were left out before (split_images); an image that
+    fails to decode later (a truncated file) makes __getitem__ return None, which the
+    collate drops. Each such file is warned about once and counted every time
     (`take_unreadable_count`).
     """
 
-    def __init__(self, items: list[tuple[Path, int]], patch_size: int, hflip: float = 0.0) -> None:
+    def __init__(self, images: Images, patch_size: int, hflip: float = 0.0) -> None:
+        self.images = images
         self.patch_size = patch_size
         self.hflip = hflip
-        self.items, self.sizes = self._scan(items)
-        self.skipped_at_scan = len(items) - len(self.items)
         # Decode failures per image, shared with the DataLoader workers. No lock (a lock would
         # tie the array to one multiprocessing start method): an image is decoded by one
         # worker at a time.
-        self.failures = multiprocessing.RawArray("i", len(self.items))
+        self.failures = multiprocessing.RawArray("i", len(self))
         self._failures_taken = 0  # by take_unreadable_count, in this process
 
-    def _scan(self, items: list[tuple[Path, int]]) -> tuple[list[tuple[Path, int]], list[tuple[int, int]]]:
-        """The readable items and their upright (height, width), from the file headers only."""
-        readable, sizes = [], []
-        for path, label in items:
-            try:
-                with Image.open(path) as image:
-                    height, width = upright_size(image)
-            except UNREADABLE as error:
-                if rank_zero_only.rank == 0:  # every rank scans the same files
-                    log.warning("skipping %s: not a readable image (%s)", path, error)
-                continue
-            readable.append((path, label))
-            sizes.append((height, width))
-        return readable, sizes
+    @property
+    def sizes(self) -> np.ndarray:
+        return self.images.sizes
+
+    def path(self, index: int) -> Path:
+        return self.images.root / self.images.paths[index]
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.images.labels)
 
     def __getitem__(self, key: SampleKey) -> ImageSample | None:
         index = key.index
-        path, label = self.items[index]
+        path = self.path(index)
         # Random choices from the key's seed, not the worker's state (see SizePolicy.keys).
         mirror = mirrored(key.seed, self.hflip)
         try:
             with Image.open(path) as image:
-                sample = image_to_sample(image, label, self.patch_size, key.max_patches, mirror)
+                sample = image_to_sample(
+                    image, int(self.images.labels[index]), self.patch_size, key.max_patches, mirror
+                )
             return drop_tokens(sample, key.keep, key.seed)
         except UNREADABLE as error:
             if not self.failures[index]:

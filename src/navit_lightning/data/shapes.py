@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing
 import random
 import shutil
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
-from rich.progress import Progress
+
+from navit_lightning.utils.parallel import map_with_progress
 
 CLASSES = ("circle", "square", "triangle", "cross", "star", "ring")
 SPLIT_SEED_OFFSET = {"train": 0, "val": 1_000_000, "test": 2_000_000}
@@ -137,12 +136,7 @@ def generate(root: str | Path, spec: ShapesSpec = ShapesSpec(), workers: int = 2
             shutil.rmtree(root / split / name, ignore_errors=True)
             (root / split / name).mkdir(parents=True)
         jobs += [(root / split, i, spec.seed + SPLIT_SEED_OFFSET[split] + i, spec) for i in range(count)]
-    # forkserver: the progress bar's thread is running when the pool forks (see the data
-    # config's multiprocessing_context)
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"))
-    with Progress() as progress, pool:
-        task = progress.add_task(f"Generating the shapes data set in {root}", total=len(jobs))
-        for _ in pool.map(_write_one, jobs, chunksize=64):
-            progress.advance(task)
+    for _ in map_with_progress(_write_one, jobs, f"Generating the shapes data set in {root}", workers, 64):
+        pass
     marker.write_text(json.dumps(finished))
     return root

@@ -1,0 +1,245 @@
+"""The size manifest of an image folder: every image file's upright size, read from its
+header once, so that no rank of any later run opens a file before the epoch is planned.
+
+    python -m navit_lightning.data.index <folder> [--index-dir DIR] [--workers N]
+
+builds or refreshes it ahead of time; a run does the same in `prepare_data` (one process
+per node, the others wait, then read it). A refresh lists the folder and compares each
+file's modification time and byte count with the manifest's: only new or changed files are
+opened again. The manifest lies in the folder (`.navit_manifest.npz`), or in `index_dir`,
+named after the folder, where the folder is read-only; it is numpy arrays (see Manifest),
+read without unpickling anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from navit_lightning.data.transforms import upright_size
+from navit_lightning.errors import DataError
+from navit_lightning.utils.parallel import map_with_progress
+
+log = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
+# What Pillow raises for a file that is not an image, or not a whole one.
+UNREADABLE = (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+MANIFEST_NAME = ".navit_manifest.npz"
+MANIFEST_VERSION = 1
+# Below this many files to read, a process pool costs more than it saves.
+POOL_FROM = 2000
+
+
+class StringTable:
+    """Many strings as one UTF-8 buffer and their end offsets: a million paths pickle (to
+    every loader worker) and save as two arrays, not a million objects."""
+
+    def __init__(self, buffer: np.ndarray, ends: np.ndarray) -> None:
+        self.buffer = buffer  # (bytes,) uint8
+        self.ends = ends  # (N,) int64, string i is buffer[ends[i - 1]:ends[i]]
+
+    @classmethod
+    def of(cls, strings: list[str]) -> StringTable:
+        encoded = [string.encode() for string in strings]
+        ends = np.cumsum([len(item) for item in encoded], dtype=np.int64)
+        return cls(np.frombuffer(b"".join(encoded), dtype=np.uint8), ends)
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, index: int) -> str:
+        start = self.ends[index - 1] if index else 0
+        return self.buffer[start : self.ends[index]].tobytes().decode()
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, StringTable)
+            and np.array_equal(self.ends, other.ends)
+            and np.array_equal(self.buffer, other.buffer)
+        )
+
+    def tolist(self) -> list[str]:
+        return [self[index] for index in range(len(self))]
+
+    def take(self, indices: np.ndarray) -> StringTable:
+        return StringTable.of([self[index] for index in indices.tolist()])
+
+
+@dataclass
+class Manifest:
+    """Every image file under a folder, sorted by path: its upright (height, width), or
+    (-1, -1) and the reason where its header cannot be read, and the (mtime_ns, bytes) it
+    had when read."""
+
+    paths: StringTable  # relative to the folder, with "/" between parts
+    sizes: np.ndarray  # (N, 2) int32
+    stamps: np.ndarray  # (N, 2) int64
+    reasons: StringTable  # "" for a readable file
+
+    @property
+    def readable(self) -> np.ndarray:  # (N,) bool
+        return self.sizes[:, 0] >= 0
+
+    def save(self, path: Path) -> None:
+        """Written whole, then renamed: a reader sees the old manifest or the new one."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        with open(partial, "wb") as file:
+            np.savez(
+                file,
+                version=np.array(MANIFEST_VERSION),
+                path_buffer=self.paths.buffer,
+                path_ends=self.paths.ends,
+                sizes=self.sizes,
+                stamps=self.stamps,
+                reason_buffer=self.reasons.buffer,
+                reason_ends=self.reasons.ends,
+            )
+        os.replace(partial, path)
+
+    @classmethod
+    def load(cls, path: Path) -> Manifest | None:
+        """The manifest at `path`, or None if there is none of this version."""
+        try:
+            with np.load(path) as arrays:
+                if int(arrays["version"]) != MANIFEST_VERSION:
+                    return None
+                return cls(
+                    StringTable(arrays["path_buffer"], arrays["path_ends"]),
+                    arrays["sizes"],
+                    arrays["stamps"],
+                    StringTable(arrays["reason_buffer"], arrays["reason_ends"]),
+                )
+        except (OSError, KeyError, ValueError):  # missing, or not one of ours
+            return None
+
+
+def list_image_files(root: Path) -> tuple[list[str], np.ndarray]:
+    """Every image file under root, sorted: relative paths and (N, 2) (mtime_ns, bytes), from
+    one directory listing and one stat per file (no file is opened); hidden entries skipped."""
+    found: list[tuple[str, int, int]] = []
+    folders = [(root, "")]
+    while folders:
+        folder, prefix = folders.pop()
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.name.startswith("."):
+                    continue
+                if entry.is_dir():
+                    folders.append((Path(entry.path), f"{prefix}{entry.name}/"))
+                elif os.path.splitext(entry.name)[1].lower() in IMAGE_SUFFIXES and entry.is_file():
+                    stat = entry.stat()
+                    found.append((prefix + entry.name, stat.st_mtime_ns, stat.st_size))
+    found.sort()
+    stamps = np.array([(mtime, size) for _, mtime, size in found], dtype=np.int64).reshape(-1, 2)
+    return [path for path, _, _ in found], stamps
+
+
+def read_size(path: str) -> tuple[int, int] | str:
+    """The upright (height, width) from the file's header, or why it cannot be read."""
+    try:
+        with Image.open(path) as image:
+            return upright_size(image)
+    except UNREADABLE as error:
+        return str(error) or type(error).__name__
+
+
+def read_sizes(paths: list[str], workers: int, description: str) -> list[tuple[int, int] | str]:
+    """read_size of each path, over `workers` processes when there are many."""
+    if workers <= 1 or len(paths) < POOL_FROM:
+        return [read_size(path) for path in paths]
+    return list(map_with_progress(read_size, paths, description, workers, chunksize=512))
+
+
+def manifest_path(root: Path, index_dir: str | Path | None = None) -> Path:
+    """In the folder, or in `index_dir` under a name unique to the folder."""
+    if index_dir is None:
+        return root / MANIFEST_NAME
+    digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
+    return Path(index_dir) / f"{root.resolve().name}-{digest}.npz"
+
+
+def _unchanged(
+    names: list[str], paths: StringTable, stamps: np.ndarray, old: Manifest
+) -> tuple[np.ndarray, np.ndarray]:
+    """(rows in `names`, rows in `old`) of the files `old` holds with the same stamps."""
+    if paths == old.paths:  # the usual case, compared as two arrays, not N strings
+        rows = was = np.arange(len(names))
+    else:
+        old_rows = {name: row for row, name in enumerate(old.paths.tolist())}
+        rows = np.array([row for row, name in enumerate(names) if name in old_rows], dtype=np.int64)
+        was = np.array([old_rows[names[row]] for row in rows.tolist()], dtype=np.int64)
+    same = (old.stamps[was] == stamps[rows]).all(axis=1)
+    return rows[same], was[same]
+
+
+def index_folder(root: Path, index_dir: str | Path | None = None, workers: int = 1) -> Manifest:
+    """The manifest of every image file under root, brought up to date and saved: files
+    whose (mtime_ns, bytes) match the saved manifest are not opened."""
+    started = time.perf_counter()
+    path = manifest_path(root, index_dir)
+    names, stamps = list_image_files(root)
+    paths = StringTable.of(names)
+    old = Manifest.load(path)
+    sizes = np.full((len(names), 2), -1, dtype=np.int32)
+    reasons = [""] * len(names)
+    known = np.zeros(len(names), dtype=bool)
+    if old is not None:
+        rows, was = _unchanged(names, paths, stamps, old)
+        known[rows], sizes[rows] = True, old.sizes[was]
+        unreadable = sizes[rows, 0] < 0
+        for row, old_row in zip(rows[unreadable].tolist(), was[unreadable].tolist(), strict=True):
+            reasons[row] = old.reasons[old_row]
+    to_read = np.flatnonzero(~known)
+    to_open = [str(root / names[row]) for row in to_read.tolist()]
+    results = read_sizes(to_open, workers, f"Reading image sizes in {root}")
+    for row, result in zip(to_read.tolist(), results, strict=True):
+        if isinstance(result, str):
+            reasons[row] = result
+        else:
+            sizes[row] = result
+    manifest = Manifest(paths, sizes, stamps, StringTable.of(reasons))
+    removed = 0 if old is None else len(old.paths) - int(known.sum())
+    if old is None or len(to_read) or removed:
+        if index_dir is None and not os.access(root, os.W_OK):
+            raise DataError(f"image folder {root} is read-only: set data.index_dir to a writable folder")
+        manifest.save(path)
+    log.info(
+        "indexed %d image files under %s in %.1f s: %d read (new or changed), %d gone, %d unreadable; "
+        "manifest %s",
+        len(names),
+        root,
+        time.perf_counter() - started,
+        len(to_read),
+        removed,
+        int((~manifest.readable).sum()),
+        path,
+    )
+    return manifest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--index-dir", default=None, help="where the manifest goes if not in the folder")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not args.folder.is_dir():
+        parser.error(f"{args.folder} is not a folder")
+    index_folder(args.folder, args.index_dir, args.workers)
+
+
+if __name__ == "__main__":
+    main()

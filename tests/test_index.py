@@ -1,0 +1,125 @@
+"""The size manifest: built once, then no image file is opened to plan an epoch, and only
+what changed in the folder is read again."""
+
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from navit_lightning.data import index
+from navit_lightning.data.datamodule import PackedImageDataModule
+from navit_lightning.data.index import Manifest, StringTable, index_folder, manifest_path
+from navit_lightning.errors import DataError
+
+OPENED: list[str] | None = None
+
+
+def _record_open(event: str, args: tuple) -> None:
+    if event != "open" or OPENED is None or not isinstance(args[0], str | os.PathLike):
+        return
+    path = os.fspath(args[0])
+    if os.path.splitext(path)[1] in index.IMAGE_SUFFIXES:
+        OPENED.append(os.path.basename(path))
+
+
+sys.addaudithook(_record_open)  # audit hooks cannot be removed: this one records only when asked
+
+
+@contextmanager
+def image_files_opened():
+    global OPENED
+    OPENED = []
+    try:
+        yield OPENED
+    finally:
+        OPENED = None
+
+
+def make_folder(root, count=6):
+    for number in range(count):
+        folder = root / ("cats" if number % 2 else "dogs")
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (20 + number, 10 + 2 * number)).save(folder / f"{number}.png")
+    (root / "dogs" / "broken.jpg").write_bytes(b"not a jpeg")
+    return root
+
+
+def test_a_second_index_opens_no_image_and_a_changed_folder_reads_only_what_changed(tmp_path):
+    root = make_folder(tmp_path / "images")
+    with image_files_opened() as opened:
+        first = index_folder(root)
+    assert sorted(opened) == sorted(["broken.jpg", *(f"{n}.png" for n in range(6))])
+    assert first.paths.tolist() == sorted(first.paths.tolist()) and len(first.paths) == 7
+    assert first.reasons[first.paths.tolist().index("dogs/broken.jpg")]
+    assert dict(zip(first.paths.tolist(), first.sizes.tolist(), strict=True))["cats/5.png"] == [20, 25]
+
+    with image_files_opened() as opened:
+        again = index_folder(root)
+    assert opened == [] and again.paths == first.paths and np.array_equal(again.sizes, first.sizes)
+
+    Image.new("RGB", (99, 7)).save(root / "cats" / "new.png")  # added
+    (root / "dogs" / "0.png").unlink()  # removed
+    Image.new("RGB", (8, 77)).save(root / "cats" / "1.png")  # replaced under the same name
+    with image_files_opened() as opened:
+        changed = index_folder(root)
+    assert sorted(opened) == ["1.png", "new.png"]
+    sizes = dict(zip(changed.paths.tolist(), changed.sizes.tolist(), strict=True))
+    assert sizes["cats/new.png"] == [7, 99] and sizes["cats/1.png"] == [77, 8] and "dogs/0.png" not in sizes
+    assert Manifest.load(manifest_path(root)).paths == changed.paths  # saved
+
+
+def test_many_files_are_read_by_a_pool_to_the_same_sizes(tmp_path, monkeypatch):
+    root = make_folder(tmp_path / "images", count=12)
+    alone = index_folder(root, index_dir=tmp_path / "alone")
+    monkeypatch.setattr(index, "POOL_FROM", 1)
+    pooled = index_folder(root, index_dir=tmp_path / "pooled", workers=2)
+    assert pooled.paths == alone.paths and np.array_equal(pooled.sizes, alone.sizes)
+    assert pooled.reasons == alone.reasons
+
+
+def test_a_read_only_folder_is_refused_with_the_fix_and_indexed_into_index_dir(tmp_path, monkeypatch):
+    root = make_folder(tmp_path / "images")
+    monkeypatch.setattr(index.os, "access", lambda path, mode: False)  # as a read-only mount says
+    with pytest.raises(DataError, match=r"set data\.index_dir"):
+        index_folder(root)
+    index_folder(root, index_dir=tmp_path / "cache")
+    assert manifest_path(root, tmp_path / "cache").is_file() and not (root / index.MANIFEST_NAME).exists()
+
+
+def test_the_datamodule_plans_from_the_manifest_without_opening_an_image(tmp_path):
+    root = make_folder(tmp_path / "images", count=20)
+    datamodule = PackedImageDataModule(str(root), patch_size=4, max_patches=64, val_fraction=0.25)
+    datamodule.prepare_data()
+    with image_files_opened() as opened:
+        fresh = PackedImageDataModule(str(root), patch_size=4, max_patches=64, val_fraction=0.25)
+        fresh.setup("fit")
+        list(fresh.batch_sampler("train"))
+    assert opened == []
+    assert len(fresh.datasets["train"]) + len(fresh.datasets["val"]) == 20  # the broken file left out
+
+
+def test_the_index_command_builds_the_manifest(tmp_path):
+    root = make_folder(tmp_path / "images")
+    result = subprocess.run(
+        [sys.executable, "-m", "navit_lightning.data.index", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (
+        "indexed 7 image files" in result.stdout + result.stderr
+        and "1 unreadable" in result.stdout + result.stderr
+    )
+    assert (root / index.MANIFEST_NAME).is_file()
+
+
+def test_a_string_table_round_trips_any_path():
+    names = ["a/b.png", "", "ünï/ç ode.jpg", "x" * 300]
+    table = StringTable.of(names)
+    assert table.tolist() == names and table[2] == names[2]
+    assert table.take(np.array([3, 0])).tolist() == [names[3], names[0]]
