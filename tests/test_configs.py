@@ -10,6 +10,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import open_dict
 
 from navit_lightning import CONFIG_DIR
+from navit_lightning.data.shards import write_shards
 from navit_lightning.utils.instantiate import instantiate_group
 
 GROUPS = [
@@ -56,6 +57,9 @@ def test_option_composes_and_instantiates(option, tmp_path, project_root):
     overrides = [option]
     if option == "data=imagefolder":
         overrides.append(f"data.root={project_root / 'data' / 'shapes'}")
+    if option == "data=shards":
+        write_shards(project_root / "data" / "shapes", tmp_path / "shards")
+        overrides.append(f"data.root={tmp_path / 'shards'}")
     cfg = compose_train(overrides, tmp_path, project_root)
     datamodule = hydra.utils.instantiate(cfg.data)
     assert isinstance(datamodule, L.LightningDataModule)

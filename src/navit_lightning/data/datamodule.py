@@ -21,12 +21,15 @@ from navit_lightning.data.folder import (
     find_classes,
     hold_out,
     images_of_files,
+    split_folders,
     split_images,
     warn_unreadable,
 )
 from navit_lightning.data.index import Manifest, index_folder, manifest_path
 from navit_lightning.data.packing import PackCollate, PackedShape
 from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
+from navit_lightning.data.shards import load_shards
+from navit_lightning.data.workers import start_context
 from navit_lightning.errors import DataError
 from navit_lightning.utils.shutdown import exit_with_process
 
@@ -55,7 +58,8 @@ class PackedImageDataModule(L.LightningDataModule):
     without val/ a seeded `val_fraction` of the images is held out. With `generate` set, the
     built-in shapes set is written to `root` first (once, on one process per node).
     Every image's size comes from the folder's manifest (data/index.py), brought up to date
-    on one process per node; it lies in `root`, or in `index_dir` if given.
+    on one process per node; it lies in `root`, or in `index_dir` if given. With `shards`,
+    `root` holds tar shards of such a folder (data/shards.py) and their manifest.
     """
 
     def __init__(
@@ -79,6 +83,7 @@ class PackedImageDataModule(L.LightningDataModule):
         seed: int = 0,
         generate: shapes.ShapesSpec | None = None,
         index_dir: str | None = None,
+        shards: bool = False,
     ) -> None:
         super().__init__()
         self.root = Path(root)
@@ -106,6 +111,7 @@ class PackedImageDataModule(L.LightningDataModule):
         self.seed = seed
         self.generate = generate
         self.index_dir = index_dir
+        self.shards = shards
         if multiprocessing_context not in (None, *multiprocessing.get_all_start_methods()):
             raise DataError(
                 f"data.multiprocessing_context={multiprocessing_context!r} is unknown: use one of "
@@ -130,6 +136,8 @@ class PackedImageDataModule(L.LightningDataModule):
         cannot train. The built-in set's are known before it is generated."""
         if self.generate is not None:
             return sorted(shapes.CLASSES)  # the folder names, sorted as find_classes does
+        if self.shards:
+            return load_shards(self.root)[1]
         train_dir = self.root / "train"
         train_root = train_dir if train_dir.is_dir() else self.root
         classes = find_classes(train_root)
@@ -141,7 +149,9 @@ class PackedImageDataModule(L.LightningDataModule):
             return
         if self.generate is not None:
             shapes.generate(self.root, self.generate, workers=os.cpu_count() or 1)
-        if not self._indexed:  # once per process: fit, then test and validate call this again
+        if (
+            not self._indexed and not self.shards
+        ):  # once per process: fit, then test and validate call this again
             self.class_names()  # a root that cannot train is refused before it is indexed
             index_folder(self.root, self.index_dir, workers=os.cpu_count() or 1)
             self._indexed = True
@@ -165,22 +175,16 @@ class PackedImageDataModule(L.LightningDataModule):
         if "train" in self.datasets:
             return
         classes = self.class_names()
-        # Written by prepare_data; indexed here where this datamodule runs without a Trainer.
-        manifest = Manifest.load(manifest_path(self.root, self.index_dir)) or index_folder(
-            self.root, self.index_dir
-        )
-        folders = {"train": "train", "val": "val", "test": "test"}
-        if not (self.root / "train").is_dir():
-            folders = {"train": ""}
+        manifest, top_level = self._manifest()
         splits = {}
-        for name, folder in folders.items():
-            if folder and not (self.root / folder).is_dir():
-                continue
+        for folder in split_folders(top_level):
             images, unreadable = split_images(manifest, self.root, folder, classes)
             warn_unreadable(unreadable)
             if unreadable:
-                rank_zero_warn(f"{name}: left out {len(unreadable)} unreadable files (named above)")
-            splits[name] = images
+                rank_zero_warn(
+                    f"{folder or 'train'}: left out {len(unreadable)} unreadable files (named above)"
+                )
+            splits[folder or "train"] = images  # a flat root: the train split
         if "val" not in splits:
             splits["train"], splits["val"] = hold_out(splits["train"], self.val_fraction, self.seed)
         for name, images in splits.items():
@@ -191,6 +195,16 @@ class PackedImageDataModule(L.LightningDataModule):
             for name, images in splits.items()
         }
         self.datasets.setdefault("test", self.datasets["val"])
+
+    def _manifest(self) -> tuple[Manifest, set[str]]:
+        """root's manifest and the names of its top-level folders."""
+        if self.shards:
+            manifest = load_shards(self.root)[0]
+            return manifest, {path.split("/", 1)[0] for path in manifest.paths.tolist() if "/" in path}
+        # Written by prepare_data; indexed here where this datamodule runs without a Trainer.
+        path = manifest_path(self.root, self.index_dir)
+        manifest = Manifest.load(path) or index_folder(self.root, self.index_dir)
+        return manifest, {folder.name for folder in self.root.iterdir() if folder.is_dir()}
 
     @property
     def _devices_per_process(self) -> int:
@@ -234,11 +248,7 @@ class PackedImageDataModule(L.LightningDataModule):
 
     def _loader(self, split: str) -> DataLoader:
         workers = self._num_workers()
-        context = multiprocessing.get_context(self.multiprocessing_context) if workers else None
-        if self.multiprocessing_context == "forkserver" and workers:
-            # The server imports what a worker runs once (~2 s), before its first fork;
-            # without this every worker would import torch and the data code itself.
-            context.set_forkserver_preload(["navit_lightning.data.folder", "navit_lightning.data.packing"])
+        context = start_context(self.multiprocessing_context) if workers else None
         options: dict[str, Any] = dict(
             batch_sampler=self.batch_sampler(split),
             collate_fn=PackCollate(self.process_shape(split), self.patch_size**2 * 3),

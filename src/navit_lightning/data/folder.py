@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import multiprocessing
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -59,9 +61,30 @@ class Images:
     paths: StringTable
     labels: np.ndarray  # (N,) int64
     sizes: np.ndarray  # (N, 2) int32, (height, width)
+    # In a shard folder: (shard, offset, bytes) of each image in root/<shard name>
+    spans: np.ndarray | None = None  # (N, 3) int64
+    shard_names: StringTable | None = None
 
     def take(self, rows: np.ndarray) -> Images:
-        return Images(self.root, self.paths.take(rows), self.labels[rows], self.sizes[rows])
+        spans = None if self.spans is None else self.spans[rows]
+        return Images(
+            self.root, self.paths.take(rows), self.labels[rows], self.sizes[rows], spans, self.shard_names
+        )
+
+    def name(self, index: int) -> str:
+        """The image's file, or its shard and its path before it was sharded."""
+        if self.spans is None or self.shard_names is None:
+            return str(self.root / self.paths[index])
+        return f"{self.root / self.shard_names[int(self.spans[index, 0])]}:{self.paths[index]}"
+
+    def open(self, index: int) -> BinaryIO:
+        """The image's bytes, from its file or its span of a shard (one read)."""
+        if self.spans is None or self.shard_names is None:
+            return open(self.root / self.paths[index], "rb")
+        shard, offset, length = self.spans[index].tolist()
+        with open(self.root / self.shard_names[shard], "rb") as file:
+            file.seek(offset)
+            return io.BytesIO(file.read(length))
 
 
 def hold_out(images: Images, fraction: float, seed: int) -> tuple[Images, Images]:
@@ -77,26 +100,32 @@ def hold_out(images: Images, fraction: float, seed: int) -> tuple[Images, Images
 Unreadable = list[tuple[Path, str]]  # (path, why)
 
 
+def split_folders(top_level: set[str]) -> list[str]:
+    """The split folders among a root's top-level folders: train, val, test where train
+    is one of them, else the root itself ("", its class folders split by hold_out)."""
+    if "train" not in top_level:
+        return [""]
+    return [name for name in ("train", "val", "test") if name in top_level]
+
+
 def split_images(
     manifest: Manifest, root: Path, folder: str, classes: list[str]
 ) -> tuple[Images, Unreadable]:
     """The readable images under root/<folder>/<class>/ (root/<class>/ for folder "") with
-    their classes' labels, and the unreadable ones, from root's manifest."""
+    their classes' labels, and the unreadable ones, from root's manifest (a shard folder's:
+    the paths its images had)."""
     prefix = f"{folder}/" if folder else ""
     label_of = {f"{prefix}{name}": label for label, name in enumerate(classes)}
-    rows, labels = [], []
+    labels = np.full(len(manifest.paths), -1, dtype=np.int64)
     for row, path in enumerate(manifest.paths.tolist()):
         label = label_of.get(path[: path.find("/", len(prefix))])
         if label is not None:
-            rows.append(row)
-            labels.append(label)
-    rows_array, labels_array = np.array(rows, dtype=np.int64), np.array(labels, dtype=np.int64)
-    readable = manifest.readable[rows_array]
-    unreadable = [
-        (root / manifest.paths[row], manifest.reasons[row]) for row in rows_array[~readable].tolist()
-    ]
-    kept = rows_array[readable]
-    return Images(root, manifest.paths.take(kept), labels_array[readable], manifest.sizes[kept]), unreadable
+            labels[row] = label
+    rows = np.flatnonzero(labels >= 0)
+    readable = manifest.readable[rows]
+    unreadable = [(root / manifest.paths[row], manifest.reasons[row]) for row in rows[~readable].tolist()]
+    everything = Images(root, manifest.paths, labels, manifest.sizes, manifest.spans, manifest.shard_names)
+    return everything.take(rows[readable]), unreadable
 
 
 def images_of_files(items: list[tuple[Path, int]], workers: int = 1) -> tuple[Images, Unreadable]:
@@ -155,26 +184,22 @@ class ImageFolder(Dataset):
     def sizes(self) -> np.ndarray:
         return self.images.sizes
 
-    def path(self, index: int) -> Path:
-        return self.images.root / self.images.paths[index]
-
     def __len__(self) -> int:
         return len(self.images.labels)
 
     def __getitem__(self, key: SampleKey) -> ImageSample | None:
         index = key.index
-        path = self.path(index)
         # Random choices from the key's seed, not the worker's state (see SizePolicy.keys).
         mirror = mirrored(key.seed, self.hflip)
         try:
-            with Image.open(path) as image:
+            with self.images.open(index) as file, Image.open(file) as image:
                 sample = image_to_sample(
                     image, int(self.images.labels[index]), self.patch_size, key.max_patches, mirror
                 )
             return drop_tokens(sample, key.keep, key.seed)
         except UNREADABLE as error:
             if not self.failures[index]:
-                log.warning("skipping %s: it could not be decoded (%s)", path, error)
+                log.warning("skipping %s: it could not be decoded (%s)", self.images.name(index), error)
             self.failures[index] += 1
             return None
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from navit_lightning.utils.parallel import map_with_progress
+from navit_lightning.data.workers import map_with_progress
 
 CLASSES = ("circle", "square", "triangle", "cross", "star", "ring")
 SPLIT_SEED_OFFSET = {"train": 0, "val": 1_000_000, "test": 2_000_000}

@@ -1,0 +1,125 @@
+"""Tar shards of an image folder, for clusters whose file systems dislike many small files.
+
+    python -m navit_lightning.data.shards <image folder> <shard folder> [--samples-per-shard 5000]
+
+writes <split>-000000.tar, ... in the webdataset layout (each image as <key>.<ext> next to
+<key>.cls, its class number, and <key>.json, its path in the folder), a wids index per split
+(<split>.wids.json), so that webdataset, wids and other tar readers can read them too, and
+the manifest (data/index.py) with each image's size and where its bytes lie in which shard.
+`python train.py data=shards data.root=<shard folder>` then trains from them with the same
+planned packing as from the folder: each image is read by one seek into its shard.
+Files that are not readable images are left out and named; the classes are the folder's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+
+from navit_lightning.data.folder import find_classes, split_folders, split_images, warn_unreadable
+from navit_lightning.data.index import MANIFEST_NAME, Manifest, StringTable, index_folder
+from navit_lightning.errors import DataError
+
+log = logging.getLogger(__name__)
+
+CLASSES_NAME = "classes.json"
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_shards(folder: Path, out: Path, samples_per_shard: int = 5000, workers: int = 1) -> Manifest:
+    """Shard every readable image under `folder` into `out` (see the module's doc)."""
+    manifest = index_folder(folder, workers=workers)
+    folders = split_folders({path.name for path in folder.iterdir() if path.is_dir()})
+    classes = find_classes(folder / "train" if folders != [""] else folder)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, shard_names, spans = [], [], []
+    for split in folders:
+        images, unreadable = split_images(manifest, folder, split, classes)
+        warn_unreadable(unreadable)
+        shard_list = []
+        for start in range(0, len(images.labels), samples_per_shard):
+            name = f"{split or 'train'}-{start // samples_per_shard:06d}.tar"
+            chunk = range(start, min(start + samples_per_shard, len(images.labels)))
+            with tarfile.open(out / name, "w", format=tarfile.USTAR_FORMAT) as tar:
+                for number in chunk:
+                    path = images.paths[number]
+                    key = f"{len(rows) + number - start:09d}"
+                    with images.open(number) as file:
+                        _add(tar, f"{key}{Path(path).suffix.lower()}", file.read())
+                    _add(tar, f"{key}.cls", str(int(images.labels[number])).encode())
+                    _add(tar, f"{key}.json", json.dumps({"path": path}).encode())
+            spans += _image_spans(out / name, len(shard_names))
+            rows += [images.paths[number] for number in chunk]
+            shard_names.append(name)
+            shard_list.append({"url": name, "nsamples": len(chunk)})
+        wids = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": split or "train"}
+        (out / f"{split or 'train'}.wids.json").write_text(
+            json.dumps({**wids, "shardlist": shard_list}, indent=1)
+        )
+    row_of = {path: row for row, path in enumerate(manifest.paths.tolist())}
+    taken = np.array([row_of[path] for path in rows], dtype=np.int64)
+    sharded = Manifest(
+        StringTable.of(rows),
+        manifest.sizes[taken],
+        manifest.stamps[taken],
+        StringTable.of([""] * len(rows)),
+        np.array(spans, dtype=np.int64).reshape(-1, 3),
+        StringTable.of(shard_names),
+    )
+    sharded.save(out / MANIFEST_NAME)
+    (out / CLASSES_NAME).write_text(json.dumps(classes))
+    log.info("wrote %d images into %d shards in %s", len(rows), len(shard_names), out)
+    return sharded
+
+
+def _image_spans(shard: Path, shard_number: int) -> list[tuple[int, int, int]]:
+    """(shard, offset, bytes) of each image in a shard just written, in order."""
+    with tarfile.open(shard) as tar:
+        return [
+            (shard_number, member.offset_data, member.size)
+            for member in tar.getmembers()
+            if not member.name.endswith((".cls", ".json"))
+        ]
+
+
+def load_shards(root: Path) -> tuple[Manifest, list[str]]:
+    """A shard folder's manifest and class names; refuses a folder without them."""
+    manifest = Manifest.load(root / MANIFEST_NAME)
+    if manifest is None or manifest.spans is None or not (root / CLASSES_NAME).is_file():
+        raise DataError(
+            f"data.root={root} holds no shards: write them with "
+            f"python -m navit_lightning.data.shards <image folder> {root}"
+        )
+    return manifest, json.loads((root / CLASSES_NAME).read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--samples-per-shard", type=int, default=5000)
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        write_shards(args.folder, args.out, args.samples_per_shard, args.workers)
+    except DataError as error:
+        parser.exit(2, f"error: {error}\n")
+
+
+if __name__ == "__main__":
+    main()

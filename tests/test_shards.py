@@ -1,0 +1,93 @@
+"""Shards of an image folder: readable by any tar reader, and the same batches as the folder."""
+
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+
+import pytest
+import torch
+
+from navit_lightning.data.datamodule import PackedImageDataModule
+from navit_lightning.data.shards import write_shards
+from navit_lightning.errors import DataError
+from tests.conftest import TINY_TRAINING
+
+
+def datamodule(root, **kwargs):
+    module = PackedImageDataModule(
+        str(root), patch_size=16, max_patches=36, rows=4, row_len=64, num_workers=0, **kwargs
+    )
+    module.setup("fit")
+    return module
+
+
+@pytest.fixture()
+def folder_with_a_broken_sample(project_root, tmp_path):
+    """The tiny shapes set, a file that is no image, and a JPEG cut short after its header."""
+    root = tmp_path / "images"
+    shutil.copytree(project_root / "data" / "shapes", root, ignore=shutil.ignore_patterns(".*"))
+    (root / "train" / "circle" / "garbage.jpg").write_bytes(b"no image")
+    whole = next((root / "train" / "star").glob("*.jpg")).read_bytes()
+    (root / "train" / "star" / "cut.jpg").write_bytes(whole[: len(whole) // 2])
+    return root
+
+
+def test_shards_hold_every_readable_image_as_webdataset_samples(folder_with_a_broken_sample, tmp_path):
+    shards = tmp_path / "shards"
+    manifest = write_shards(folder_with_a_broken_sample, shards, samples_per_shard=100)
+    assert "train/circle/garbage.jpg" not in manifest.paths.tolist()  # left out, named
+    index = json.loads((shards / "train.wids.json").read_text())
+    assert [shard["nsamples"] for shard in index["shardlist"]] == [100, 93]  # 192 + cut.jpg
+    with tarfile.open(shards / index["shardlist"][0]["url"]) as tar:
+        names = tar.getnames()[:3]
+        sample = json.loads(tar.extractfile(names[2]).read())
+        label = int(tar.extractfile(names[1]).read())
+    assert [name.split(".", 1)[1] for name in names] in (["jpg", "cls", "json"], ["png", "cls", "json"])
+    assert sample["path"].startswith("train/") and label == sorted(
+        p.name for p in (folder_with_a_broken_sample / "train").iterdir()
+    ).index(sample["path"].split("/")[1])
+
+
+def test_shards_give_the_folders_batches_and_skip_a_broken_sample(
+    folder_with_a_broken_sample, tmp_path, caplog
+):
+    write_shards(folder_with_a_broken_sample, tmp_path / "shards", samples_per_shard=50)
+    from_folder = datamodule(folder_with_a_broken_sample)
+    from_shards = datamodule(tmp_path / "shards", shards=True)
+    assert from_shards.class_names() == from_folder.class_names()
+    for split in ("train", "val", "test"):
+        assert len(from_shards.datasets[split]) == len(from_folder.datasets[split])
+    for folder_batch, shard_batch in zip(
+        from_folder.train_dataloader(), from_shards.train_dataloader(), strict=True
+    ):
+        assert torch.equal(folder_batch.patches, shard_batch.patches)
+        assert torch.equal(folder_batch.labels, shard_batch.labels)
+    assert "cut.jpg: it could not be decoded" in caplog.text
+    assert from_shards.datasets["train"].take_unreadable_count() == 1
+
+
+def test_a_folder_without_shards_is_refused_with_the_command_that_writes_them(tmp_path):
+    with pytest.raises(DataError, match=r"python -m navit_lightning\.data\.shards"):
+        PackedImageDataModule(str(tmp_path), shards=True).class_names()
+
+
+@pytest.mark.slow
+def test_train_from_shards_to_the_end(project_root, run_entry_point, tmp_path):
+    shards = tmp_path / "shards"
+    written = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "navit_lightning.data.shards",
+            str(project_root / "data" / "shapes"),
+            str(shards),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert written.returncode == 0, written.stderr
+    result = run_entry_point("train.py", *TINY_TRAINING, "data=shards", f"data.root={shards}")
+    assert "test/acc" in result.stdout + result.stderr
