@@ -83,17 +83,9 @@ def measure(count: int, ranks: int) -> dict[str, float]:
     )
     epoch = sampler.sampler.epoch
     keys = _timed(figures, "keys", lambda: POLICY.keys(sampler.sizes, SEED, epoch))
-    order = _timed(figures, "order", lambda: list(sampler.sampler))
+    order = _timed(figures, "order", sampler.sampler.indices)
     sampler._plan = _timed(
-        figures,
-        "packing",
-        lambda: _EpochPlan(
-            epoch,
-            [
-                [keys[i] for i in batch]
-                for batch in plan_batches([k.keep for k in keys], order, SHAPE, LOOKAHEAD)
-            ],
-        ),
+        figures, "packing", lambda: _EpochPlan(epoch, keys, plan_batches(keys.keep, order, SHAPE, LOOKAHEAD))
     )
     _timed(figures, "deal", lambda: list(sampler))  # this rank's batches, as the loader takes them
     stats = _timed(figures, "stats", sampler.plan_stats)
