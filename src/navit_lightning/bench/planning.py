@@ -12,12 +12,14 @@ synthetic and seeded: mostly camera photos (4:3, 3:2, 16:9, 1:1 either way up, l
 
 Each data set size is measured in a fresh process; per phase it prints seconds, and for the
 whole plan the peak resident memory above what the process held before planning (Linux
-VmHWM, reset through /proc/self/clear_refs) and what the finished plan keeps resident.
+VmHWM, reset through /proc/self/clear_refs, after malloc_trim) and what the finished plan
+keeps resident.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import multiprocessing
 import re
 import time
@@ -71,6 +73,8 @@ def measure(count: int, ranks: int) -> dict[str, float]:
     """One epoch's plan for rank 0 of `ranks` over `count` synthetic images: seconds per
     phase, and MiB of peak and held memory above the process's before planning."""
     sizes = synthetic_sizes(count, SEED)
+    # Memory the allocator freed but kept resident would be reused unseen: give it back.
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = _memory_kib("VmRSS")
     figures: dict[str, float] = {}
