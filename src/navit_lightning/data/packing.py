@@ -83,7 +83,7 @@ def first_fit_decreasing_flat(
     lengths: np.ndarray, shape: PackedShape
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """first_fit_decreasing as arrays: (placed item positions row after row, (rows,) items
-    per row, ascending positions that did not fit); `lengths` is (items,) int64.
+    per row, ascending positions that did not fit); `lengths` is (items,) int64, each >= 1.
 
     Items of one length are placed one run at a time: first fit puts each into the first row
     with room, and a row that cannot take one more of them cannot take any later one of that
