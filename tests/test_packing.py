@@ -77,6 +77,43 @@ def test_first_fit_decreasing_respects_capacity_and_repacks_its_own_selection(le
     assert [[placed[p] for p in row] for row in again] == placed_rows
 
 
+def reference_first_fit_decreasing(
+    lengths: list[int], shape: PackedShape
+) -> tuple[list[list[int]], list[int]]:
+    """first_fit_decreasing as it was first written: one item at a time, each into the first
+    row with room. Plans, and the plan digests in checkpoints, came from this."""
+    free_tokens = [shape.row_len] * shape.rows
+    rows: list[list[int]] = [[] for _ in range(shape.rows)]
+    left_over = []
+    for pos in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next(
+            (
+                r
+                for r in range(shape.rows)
+                if free_tokens[r] >= lengths[pos] and len(rows[r]) < shape.max_images
+            ),
+            None,
+        )
+        if row is None:
+            left_over.append(pos)
+        else:
+            rows[row].append(pos)
+            free_tokens[row] -= lengths[pos]
+    return rows, sorted(left_over)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), max_size=80),
+    rows=st.integers(1, 6),
+    row_len=st.integers(40, 100),
+    max_images=st.integers(1, 8),
+)
+def test_first_fit_decreasing_places_as_one_item_at_a_time(lengths, rows, row_len, max_images):
+    shape = PackedShape(rows, row_len, max_images)
+    assert first_fit_decreasing(lengths, shape) == reference_first_fit_decreasing(lengths, shape)
+
+
 def test_image_longer_than_a_row_is_refused():
     with pytest.raises(ImageTooLongError, match=r"raise data\.row_len"):
         first_fit_decreasing([10, 65], PackedShape(2, 64, 4))

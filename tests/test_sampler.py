@@ -1,12 +1,16 @@
+import hashlib
 import random
+from itertools import islice
 
+import numpy as np
 import pytest
 
 from navit_lightning.data.folder import mirrored
 from navit_lightning.data.packing import PackedShape
-from navit_lightning.data.sampler import PackedBatchSampler, SampleKey, SizePolicy
+from navit_lightning.data.sampler import EpochOrder, PackedBatchSampler, SampleKey, SizePolicy, fit_grids
 from navit_lightning.data.transforms import fit_grid
 from navit_lightning.errors import DataError
+from tests.test_packing import reference_first_fit_decreasing
 
 SHAPE = PackedShape(rows=4, row_len=64, max_images=8)
 FIXED = SizePolicy(patch_size=8, max_patches=64)
@@ -53,9 +57,14 @@ def test_every_rank_plans_the_same_sizes():
     assert one_rank == four_ranks
 
 
+def all_keys(policy: SizePolicy, sizes, seed: int = 0, epoch: int = 0) -> list[SampleKey]:
+    keys = policy.keys(np.array(sizes).reshape(-1, 2), seed, epoch)
+    return keys.take(np.arange(len(sizes)))
+
+
 def test_keys_follow_the_policy():
     sizes = image_sizes(500)
-    keys = VARIABLE.keys(sizes, seed=0, epoch=0)
+    keys = all_keys(VARIABLE, sizes)
     budgets = {key.max_patches for key in keys}
     assert min(budgets) == 4 and max(budgets) == 64
     patches = [fit_grid(*sizes[k.index], 8, k.max_patches) for k in keys]
@@ -66,15 +75,104 @@ def test_keys_follow_the_policy():
     assert 0.15 < dropped < 0.35  # Beta(2, 6) has mean 0.25
 
     full = [fit_grid(*size, 8, 64) for size in sizes[:50]]
-    constant = SizePolicy(patch_size=8, max_patches=64, drop_rate=0.5).keys(sizes[:50], seed=0, epoch=0)
+    constant = all_keys(SizePolicy(patch_size=8, max_patches=64, drop_rate=0.5), sizes[:50])
     assert all(k.keep == max(1, round(h * w * 0.5)) for k, (h, w) in zip(constant, full, strict=True))
     by_resolution = SizePolicy(patch_size=8, max_patches=64, drop_rate=0.5, drop_by_resolution=True)
-    for k, (h, w) in zip(by_resolution.keys(sizes[:50], seed=0, epoch=0), full, strict=True):
+    for k, (h, w) in zip(all_keys(by_resolution, sizes[:50]), full, strict=True):
         assert k.keep == max(1, round(h * w * (1 - 0.5 * h * w / 64)))
     assert all(
         k.max_patches == 64 and k.keep == h * w
-        for k, (h, w) in zip(FIXED.keys(sizes[:50], seed=0, epoch=0), full, strict=True)
+        for k, (h, w) in zip(all_keys(FIXED, sizes[:50]), full, strict=True)
     )
+
+
+def test_fit_grids_gives_fit_grid_s_grids():
+    rng = np.random.default_rng(0)
+    count = 200_000
+    # sides from 1 px to 20,000 px, any aspect, budgets from 1 to 1024 patches
+    sides = np.exp(rng.uniform(0, np.log(20_000), (count, 2))).astype(np.int64) + 1
+    budgets = rng.integers(1, 1024, count, endpoint=True)
+    patch_sizes = (8, 14, 16, 32)
+    for patch_size in patch_sizes:
+        grids = np.stack(fit_grids(sides[:, 0], sides[:, 1], patch_size, budgets), 1)
+        expected = [
+            fit_grid(h, w, patch_size, b) for (h, w), b in zip(sides.tolist(), budgets.tolist(), strict=True)
+        ]
+        assert grids.tolist() == [list(grid) for grid in expected]
+
+
+def reference_keys(policy: SizePolicy, sizes, seed: int, epoch: int) -> list[SampleKey]:
+    """SizePolicy.keys as it was first written: the same draws, then one image at a time."""
+    budget_rng, rate_rng, seed_rng = map(
+        np.random.default_rng, np.random.SeedSequence([seed, epoch]).spawn(3)
+    )
+    count = len(sizes)
+    budgets = budget_rng.integers(policy.min_patches, policy.max_patches, size=count, endpoint=True)
+    rates = rate_rng.beta(*policy.drop_beta, size=count)
+    image_seeds = seed_rng.integers(0, 2**63 - 1, size=count)
+    keys = []
+    for index, (size, budget, rate, image_seed) in enumerate(
+        zip(sizes, budgets.tolist(), rates.tolist(), image_seeds.tolist(), strict=True)
+    ):
+        grid_h, grid_w = fit_grid(*size, policy.patch_size, budget)
+        rate *= grid_h * grid_w / policy.max_patches
+        keys.append(SampleKey(index, budget, max(1, round(grid_h * grid_w * (1 - rate))), image_seed))
+    return keys
+
+
+def reference_plan(
+    keys: list[SampleKey], order: list[int], shape: PackedShape, lookahead: int
+) -> list[list[SampleKey]]:
+    """The epoch's batches as they were first planned: lists of keys."""
+    batches: list[list[SampleKey]] = []
+    buffer: list[int] = []
+    upcoming = iter(order)
+    while True:
+        buffer.extend(islice(upcoming, lookahead - len(buffer)))
+        if not buffer:
+            return batches
+        rows, left_over = reference_first_fit_decreasing([keys[i].keep for i in buffer], shape)
+        batches.append([keys[buffer[pos]] for row in rows for pos in row])
+        buffer = [buffer[pos] for pos in left_over]
+
+
+def reference_digest(batches: list[list[SampleKey]]) -> str:
+    boundaries = np.cumsum([len(batch) for batch in batches])
+    keys = np.array([key for batch in batches for key in batch], dtype=np.int64)
+    return hashlib.sha256(boundaries.tobytes() + keys.tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_the_planner_plans_as_it_was_first_written(case):
+    """Same batches, same digest: checkpoints taken before the planner was vectorised resume."""
+    rng = random.Random(case)
+    sizes = image_sizes(rng.randint(0, 3000), seed=case)
+    shape = PackedShape(rng.randint(1, 8), rng.randint(64, 200), rng.randint(1, 40))
+    max_patches = rng.randint(16, 64)
+    policy = SizePolicy(
+        patch_size=rng.choice([8, 16]),
+        max_patches=max_patches,
+        min_patches=rng.randint(1, max_patches),
+        drop_beta=(rng.uniform(0.5, 3), rng.uniform(1, 8)),
+        drop_by_resolution=True,
+    )
+    lookahead = rng.randint(1, 600)
+    sampler = PackedBatchSampler(sizes, shape, policy, shuffle=True, seed=case, lookahead=lookahead)
+    sampler.sampler.set_epoch(case)
+    expected = reference_plan(
+        reference_keys(policy, sizes, case, case),
+        list(EpochOrder(len(sizes), True, case + case)),
+        shape,
+        lookahead,
+    )
+    assert list(sampler) == expected
+    assert sampler.position(0)["plan"] == reference_digest(expected)
+
+
+def test_the_plan_digest_is_the_one_checkpoints_hold():
+    (sampler,) = samplers(image_sizes(300), 1)
+    sampler.sampler.set_epoch(2)
+    assert sampler.position(1)["plan"] == "4a3e6bbb113a96a9b3f3a8bd2c03ab06c4d367667f8c2577805e72396e9db9cf"
 
 
 @pytest.mark.parametrize(
@@ -171,12 +269,10 @@ def test_resuming_mid_epoch_on_other_ranks_or_data_is_refused():
 
 @pytest.mark.parametrize("hflip", [0.0, 0.3, 0.5, 1.0])
 def test_the_key_seed_flips_images_at_the_configured_rate(hflip):
-    keys = SizePolicy(16, 64).keys([(64, 64)] * 20_000, seed=3, epoch=1)
-    rate = sum(mirrored(key.seed, hflip) for key in keys) / len(keys)
+    keys = SizePolicy(16, 64).keys(np.full((20_000, 2), 64), seed=3, epoch=1)
+    rate = sum(mirrored(seed, hflip) for seed in keys.seed.tolist()) / len(keys.seed)
     assert rate == pytest.approx(hflip, abs=0.015)
     # independent of the draws the seed also drives: the budget
-    budgets = SizePolicy(16, 64, min_patches=4).keys([(64, 64)] * 20_000, seed=3, epoch=1)
-    flipped = [key.max_patches for key in budgets if mirrored(key.seed, 0.5)]
-    assert sum(flipped) / len(flipped) == pytest.approx(
-        sum(key.max_patches for key in budgets) / len(budgets), rel=0.03
-    )
+    budgets = SizePolicy(16, 64, min_patches=4).keys(np.full((20_000, 2), 64), seed=3, epoch=1)
+    flipped = budgets.max_patches[[mirrored(seed, 0.5) for seed in budgets.seed.tolist()]]
+    assert flipped.mean() == pytest.approx(budgets.max_patches.mean(), rel=0.03)

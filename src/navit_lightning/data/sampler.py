@@ -6,15 +6,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import islice
+from itertools import chain
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from navit_lightning.data.packing import PackedShape, first_fit_decreasing
-from navit_lightning.data.transforms import fit_grid
+from navit_lightning.data.packing import PackedShape, first_fit_decreasing_flat
 from navit_lightning.errors import DataError
 
 
@@ -27,6 +26,24 @@ class SampleKey(NamedTuple):
     max_patches: int
     keep: int
     seed: int
+
+
+class SampleKeys(NamedTuple):
+    """One epoch's SampleKeys of all the images, as columns in index order: a SampleKey
+    object is made only for the images of a batch that is handed out."""
+
+    max_patches: np.ndarray  # (images,) int64
+    keep: np.ndarray  # (images,) int64
+    seed: np.ndarray  # (images,) int64
+
+    def take(self, indices: np.ndarray) -> list[SampleKey]:
+        """The keys of images `indices`, (n,) int64, in that order."""
+        columns = (self.max_patches[indices], self.keep[indices], self.seed[indices])
+        return list(map(SampleKey, indices.tolist(), *(column.tolist() for column in columns)))
+
+    def table(self, indices: np.ndarray) -> np.ndarray:
+        """(n, 4) int64 rows of (index, max_patches, keep, seed) of images `indices`."""
+        return np.stack([indices, self.max_patches[indices], self.keep[indices], self.seed[indices]], 1)
 
 
 @dataclass(frozen=True)
@@ -57,8 +74,8 @@ class SizePolicy:
         if not 0.0 <= self.drop_rate < 1.0:
             raise ValueError(f"data.token_drop_rate={self.drop_rate} must be in [0, 1)")
 
-    def keys(self, sizes: Sequence[tuple[int, int]], seed: int, epoch: int) -> list[SampleKey]:
-        """One key per image, in index order; `sizes` are the images' (height, width).
+    def keys(self, sizes: np.ndarray, seed: int, epoch: int) -> SampleKeys:
+        """Every image's key, in index order; `sizes` is (images, 2) (height, width).
 
         Each draw for image i is the i-th of a stream seeded by (seed, epoch): it depends on
         nothing else, not on the shuffled order, the ranks, or which loader worker reads the
@@ -76,16 +93,30 @@ class SizePolicy:
             rate_rng.beta(*self.drop_beta, size=count) if self.drop_beta else np.full(count, self.drop_rate)
         )
         image_seeds = seed_rng.integers(0, 2**63 - 1, size=count)
-        keys = []
-        for index, (size, budget, rate, image_seed) in enumerate(
-            zip(sizes, budgets.tolist(), rates.tolist(), image_seeds.tolist(), strict=True)
-        ):
-            grid_h, grid_w = fit_grid(*size, self.patch_size, budget)
-            patches = grid_h * grid_w
-            if self.drop_by_resolution:
-                rate *= patches / self.max_patches
-            keys.append(SampleKey(index, budget, max(1, round(patches * (1 - rate))), image_seed))
-        return keys
+        grid_h, grid_w = fit_grids(sizes[:, 0], sizes[:, 1], self.patch_size, budgets)
+        patches = grid_h * grid_w
+        if self.drop_by_resolution:
+            rates = rates * (patches / self.max_patches)
+        # np.rint rounds half to even, as Python's round did when this was a loop
+        keep = np.maximum(1, np.rint(patches * (1 - rates))).astype(np.int64)
+        return SampleKeys(budgets, keep, image_seeds)
+
+
+def fit_grids(
+    heights: np.ndarray, widths: np.ndarray, patch_size: int, max_patches: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """transforms.fit_grid for (images,) heights, widths and budgets at once: the same
+    float operations in the same order, so the same (images,) grid rows and columns."""
+    scale = np.minimum(1.0, np.sqrt(max_patches * patch_size**2 / (heights * widths)))
+    grid_h = np.maximum(1, np.rint(heights * scale / patch_size)).astype(np.int64)
+    grid_w = np.maximum(1, np.rint(widths * scale / patch_size)).astype(np.int64)
+    over = np.flatnonzero(grid_h * grid_w > max_patches)  # rounding up overshot by a row
+    while len(over):
+        taller = grid_h[over] >= grid_w[over]
+        grid_h[over[taller]] -= 1
+        grid_w[over[~taller]] -= 1
+        over = over[grid_h[over] * grid_w[over] > max_patches[over]]
+    return grid_h, grid_w
 
 
 class EpochOrder(Sampler[int]):
@@ -100,48 +131,82 @@ class EpochOrder(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def __iter__(self) -> Iterator[int]:
+    def indices(self) -> np.ndarray:
+        """(size,) int64, this epoch's order."""
         if not self.shuffle:
-            return iter(range(self.size))
+            return np.arange(self.size)
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.size, generator=generator).tolist())
+        return torch.randperm(self.size, generator=generator).numpy()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices().tolist())
 
     def __len__(self) -> int:
         return self.size
 
 
-def plan_batches(
-    lengths: Sequence[int], order: Sequence[int], shape: PackedShape, lookahead: int
-) -> list[list[int]]:
-    """Group indices (in `order`) into batches that fit `shape`, first-fit-decreasing over a
-    look-ahead buffer of `lookahead` images; images that do not fit wait for the next batch."""
-    batches: list[list[int]] = []
-    buffer: list[int] = []
-    upcoming = iter(order)
-    while True:
-        buffer.extend(islice(upcoming, lookahead - len(buffer)))
-        if not buffer:
-            return batches
-        rows, left_over = first_fit_decreasing([lengths[i] for i in buffer], shape)
-        batches.append([buffer[pos] for row in rows for pos in row])
-        buffer = [buffer[pos] for pos in left_over]
+class Batches(NamedTuple):
+    """Batches of images as two arrays: batch b is images[bounds[b]:bounds[b + 1]]."""
+
+    images: np.ndarray  # (images,) int64 indices, batch after batch
+    bounds: np.ndarray  # (batches + 1,) int64 offsets into images, from 0 to len(images)
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def sums(self, values: np.ndarray) -> np.ndarray:
+        """(batches,) the sum of (images,) `values`, by index, over each batch's images."""
+        running = np.concatenate([[0], np.cumsum(values[self.images])])
+        return running[self.bounds[1:]] - running[self.bounds[:-1]]
+
+
+def plan_batches(lengths: np.ndarray, order: np.ndarray, shape: PackedShape, lookahead: int) -> Batches:
+    """Group indices (in (images,) `order`) into batches that fit `shape`, by (images,)
+    token `lengths`: first-fit-decreasing over a look-ahead buffer of `lookahead` images;
+    images that do not fit wait for the next batch, ahead of those that come after them."""
+    images = np.empty(len(order), dtype=np.int64)
+    bounds = [0]
+    buffer, upcoming = order[:lookahead], lookahead
+    while len(buffer):
+        placed, _, left_over = first_fit_decreasing_flat(lengths[buffer], shape)
+        start = bounds[-1]
+        images[start : start + len(placed)] = buffer[placed]
+        bounds.append(start + len(placed))
+        refill = order[upcoming : upcoming + lookahead - len(left_over)]
+        upcoming += len(refill)
+        buffer = np.concatenate([buffer[left_over], refill])
+    return Batches(images, np.array(bounds, dtype=np.int64))
 
 
 class _EpochPlan:
     """One epoch's batches over all ranks, and a digest that tells this plan from another."""
 
-    def __init__(self, epoch: int, batches: list[list[SampleKey]]) -> None:
+    def __init__(self, epoch: int, keys: SampleKeys, batches: Batches) -> None:
         self.epoch = epoch
+        self.keys = keys
         self.batches = batches
         self._digest: str | None = None
 
+    def batch(self, number: int) -> list[SampleKey]:
+        """The keys of batch `number`, made now: the plan holds them as columns."""
+        bounds = self.batches.bounds
+        return self.keys.take(self.batches.images[bounds[number] : bounds[number + 1]])
+
     @property
     def digest(self) -> str:
+        # sha256 over the batch ends, then every key's (index, max_patches, keep, seed) in
+        # plan order, as int64: the bytes that plans hashed when they were lists of keys, so
+        # that checkpoints taken then still resume. Hashed in chunks to bound the memory.
         if self._digest is None:
-            boundaries = np.cumsum([len(batch) for batch in self.batches])
-            keys = np.array([key for batch in self.batches for key in batch], dtype=np.int64)
-            self._digest = hashlib.sha256(boundaries.tobytes() + keys.tobytes()).hexdigest()
+            hasher = hashlib.sha256(self.batches.bounds[1:].tobytes())
+            images = self.batches.images
+            for start in range(0, len(images), _DIGEST_CHUNK):
+                hasher.update(self.keys.table(images[start : start + _DIGEST_CHUNK]).tobytes())
+            self._digest = hasher.hexdigest()
         return self._digest
+
+
+_DIGEST_CHUNK = 1 << 20  # images: 32 MiB of key rows at a time
 
 
 class PlanStats(NamedTuple):
@@ -165,7 +230,7 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
 
     def __init__(
         self,
-        sizes: Sequence[tuple[int, int]],
+        sizes: Sequence[tuple[int, int]] | np.ndarray,
         shape: PackedShape,
         policy: SizePolicy,
         shuffle: bool,
@@ -176,7 +241,7 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
     ) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside 0..{num_replicas - 1}")
-        self.sizes = list(sizes)
+        self.sizes = _size_array(sizes)
         self.shape = shape
         self.policy = policy
         self.seed = seed
@@ -191,15 +256,13 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
         epoch = self.sampler.epoch
         if self._plan is None or self._plan.epoch != epoch:
             keys = self.policy.keys(self.sizes, self.seed, epoch)
-            batches = plan_batches([key.keep for key in keys], list(self.sampler), self.shape, self.lookahead)
-            self._plan = _EpochPlan(epoch, [[keys[index] for index in batch] for batch in batches])
+            batches = plan_batches(keys.keep, self.sampler.indices(), self.shape, self.lookahead)
+            self._plan = _EpochPlan(epoch, keys, batches)
         return self._plan
 
-    def _rank_batches(self) -> list[list[SampleKey]]:
-        batches = self._epoch_plan().batches
-        per_rank = -(-len(batches) // self.num_replicas)
-        mine = batches[self.rank :: self.num_replicas]
-        return mine + [[]] * (per_rank - len(mine))
+    def _rank_batches(self) -> range:
+        """This rank's batch numbers in the epoch's plan, dealt round-robin."""
+        return range(self.rank, len(self._epoch_plan().batches), self.num_replicas)
 
     def __iter__(self) -> Iterator[list[SampleKey]]:
         # The batches are chosen here, not as the iterator advances: Lightning sets the epoch
@@ -208,10 +271,10 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
         if self._resume_at is not None and self._resume_at[0] != self.sampler.epoch:
             self._resume_at = None
         start = self._resume_at[1] if self._resume_at else 0
-        return iter(self._rank_batches()[start:])
+        return _dealt(self._epoch_plan(), self._rank_batches(), start, len(self))
 
     def __len__(self) -> int:
-        return len(self._rank_batches())
+        return -(-len(self._epoch_plan().batches) // self.num_replicas)
 
     def position(self, batches_done: int) -> dict[str, Any]:
         """Where training is: `batches_done` of this epoch's batches on every rank (the same
@@ -248,14 +311,30 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
 
     def plan_stats(self) -> PlanStats:
         """This rank's batches of the current epoch: how many, how many images, how full."""
-        batches = self._rank_batches()
-        tokens = [sum(key.keep for key in batch) for batch in batches]
+        plan = self._epoch_plan()
+        mine = self._rank_batches()
+        real = plan.batches.sums(plan.keys.keep)[mine]
+        tokens = np.zeros(len(self))  # (batches of this rank,) its filler batches hold none
+        tokens[: len(real)] = real
+        images = int(np.diff(plan.batches.bounds)[mine].sum())
         capacity = self.shape.rows * self.shape.row_len
-        images = sum(len(batch) for batch in batches)
-        but_last = tokens[:-1] or tokens
+        but_last = tokens[:-1] if len(tokens) > 1 else tokens
         return PlanStats(
-            len(batches),
-            images / max(1, len(batches)),
-            sum(tokens) / (max(1, len(tokens)) * capacity),
-            sum(but_last) / (max(1, len(but_last)) * capacity),
+            len(tokens),
+            images / max(1, len(tokens)),
+            float(tokens.sum()) / (max(1, len(tokens)) * capacity),
+            float(but_last.sum()) / (max(1, len(but_last)) * capacity),
         )
+
+
+def _dealt(plan: _EpochPlan, mine: range, start: int, count: int) -> Iterator[list[SampleKey]]:
+    """A rank's batches `start`..`count` of the plan: its batches `mine`, then empty ones."""
+    for position in range(start, count):
+        yield plan.batch(mine[position]) if position < len(mine) else []
+
+
+def _size_array(sizes: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray:
+    """(images, 2) int64 (height, width); from a list of pairs without a Python object per number."""
+    if isinstance(sizes, np.ndarray):
+        return np.asarray(sizes, dtype=np.int64).reshape(-1, 2)
+    return np.fromiter(chain.from_iterable(sizes), dtype=np.int64, count=2 * len(sizes)).reshape(-1, 2)
