@@ -65,9 +65,13 @@ def as_run_here(command: str, run: str, images: Path) -> tuple[str, Path | None]
         command.replace("<run>", run)
         .replace("ckpt_path=...", f"ckpt_path=logs/train/runs/{run}/checkpoints/last.ckpt")
         .replace("/path/to/images", str(images))
+        .replace("/path/to/shards", str(images.parent / "readme-shards"))
     )
     # an image folder of its own is already small: only the epochs shrink
-    shrink = "trainer.max_epochs=1" if "data=imagefolder" in filled else shlex.join(SHRINK_TRAINING)
+    shrink = "trainer.max_epochs=1" if re.search(r"data=(imagefolder|shards)", filled) else shlex.join(SHRINK_TRAINING)
+    if "data=shards" in filled:  # written by the README's command before it, written here again
+        shards = re.search(r"data\.root=(\S+)", filled).group(1)
+        filled = f"python -m navit_lightning.data.shards {images} {shards} && {filled}"
     if re.match(r"(\S+=\S+ )*python (train|eval|predict)\.py", filled):
         if "ckpt_path=" in filled and "train.py" in filled:  # a resumed run trains one epoch more
             return f"{filled} {shlex.join(TINY_SHAPES)} trainer.max_epochs=2", None
@@ -92,6 +96,8 @@ def as_run_here(command: str, run: str, images: Path) -> tuple[str, Path | None]
             filled = filled.replace(written, here)
         arguments = filled.split(maxsplit=1)[1].replace(" train.py ", f" {REPO}/train.py ")
         return f"{sys.executable} -m torch.distributed.run {arguments} {shrink}", None
+    if re.match(r"python -m navit_lightning\.data\.(index|shards) ", filled):
+        return filled, None
     if filled.startswith("python -m navit_lightning.bench.attention"):
         flags = re.sub(r"[\[\]]", "", filled)
         shrunk = "--models navit_tiny --tokens 512 --row-len 256 --steps 1 --no-compile"
