@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -73,20 +75,50 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
+# Another JPEG library in Pillow's place: (file bytes, smallest (width, height)) -> (height,
+# width, 3) uint8 RGB pixels, decoded at the largest DCT reduction (1/2 .. 1/8) that keeps
+# both sides at least that size; raises ValueError or OSError on data it cannot decode.
+# None, the loader's choice: Pillow. simplejpeg and PyTurboJPEG were no faster at the
+# loader's reduced scales (all three are libjpeg-turbo; docs/benchmarks.md, "Decoding").
+JpegDecoder = Callable[[bytes, tuple[int, int]], np.ndarray]
+# MPO: a camera JPEG with a multi-picture index, its first picture is the photo. CMYK and
+# other modes: Pillow converts them.
+JPEG_DECODER_FORMATS = {"JPEG", "MPO"}
+JPEG_DECODER_MODES = {"RGB", "L"}
+
+
+def decode_rgb(image: Image.Image, size: tuple[int, int], jpeg_decoder: JpegDecoder | None) -> Image.Image:
+    """The image as 8-bit RGB, in its stored orientation; a JPEG decoded at the smallest
+    1/2 .. 1/8 scale that keeps it at least `size` (Pillow's draft mode), by `jpeg_decoder`
+    when given. Anything else, or a file the decoder cannot read, goes through Pillow, so a
+    corrupt file fails as Pillow fails it."""
+    image.draft("RGB", size)  # reads no pixels: sets image.size to the reduced size
+    fp = getattr(image, "fp", None)
+    if jpeg_decoder and image.format in JPEG_DECODER_FORMATS and image.mode in JPEG_DECODER_MODES and fp:
+        with contextlib.suppress(ValueError, OSError):
+            fp.seek(0)  # where Image.open started reading; Pillow seeks back when it decodes
+            return Image.fromarray(jpeg_decoder(fp.read(), image.size))
+    return to_rgb(image)
+
+
 def image_to_sample(
-    image: Image.Image, label: int, patch_size: int, max_patches: int, mirror: bool = False
+    image: Image.Image,
+    label: int,
+    patch_size: int,
+    max_patches: int,
+    mirror: bool = False,
+    jpeg_decoder: JpegDecoder | None = None,
 ) -> ImageSample:
     """Resize to the fitted grid, turn upright (EXIF orientation), mirror left-right if asked,
-    and cut into flattened uint8 patches in (p1 p2 c) order."""
+    and cut into flattened uint8 patches in (p1 p2 c) order. `image` is opened, not yet
+    decoded (Image.open); JPEGs are decoded by `jpeg_decoder` (None: by Pillow)."""
     orientation = exif_orientation(image)
     height, width = upright_size(image)
     grid_h, grid_w = fit_grid(height, width, patch_size, max_patches)
     size = (grid_w * patch_size, grid_h * patch_size)
     # Resized before it is turned, the smaller image: in the stored orientation.
     stored_size = size[::-1] if orientation in SIDES_SWAPPED else size
-    # A JPEG decodes straight at 1/2 .. 1/8 scale when the target is that much smaller.
-    image.draft("RGB", stored_size)
-    image = to_rgb(image)
+    image = decode_rgb(image, stored_size, jpeg_decoder)
     if image.size != stored_size:
         image = image.resize(stored_size, Image.Resampling.BICUBIC, reducing_gap=3.0)
     if orientation in UPRIGHT:
