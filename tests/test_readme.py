@@ -68,7 +68,11 @@ def as_run_here(command: str, run: str, images: Path) -> tuple[str, Path | None]
         .replace("/path/to/shards", str(images.parent / "readme-shards"))
     )
     # an image folder of its own is already small: only the epochs shrink
-    shrink = "trainer.max_epochs=1" if re.search(r"data=(imagefolder|shards)", filled) else shlex.join(SHRINK_TRAINING)
+    shrink = (
+        "trainer.max_epochs=1"
+        if re.search(r"data=(imagefolder|shards)", filled)
+        else shlex.join(SHRINK_TRAINING)
+    )
     if "data=shards" in filled:  # written by the README's command before it, written here again
         shards = re.search(r"data\.root=(\S+)", filled).group(1)
         filled = f"python -m navit_lightning.data.shards {images} {shards} && {filled}"
@@ -98,6 +102,14 @@ def as_run_here(command: str, run: str, images: Path) -> tuple[str, Path | None]
         return f"{sys.executable} -m torch.distributed.run {arguments} {shrink}", None
     if re.match(r"python -m navit_lightning\.data\.(index|shards) ", filled):
         return filled, None
+    shrunk_bench = {
+        "index": "--images 300 --formats 1000",
+        "planning": "--images 20000 --ranks 2",
+        "decoders": "--count 6 --rounds 1 --budgets 36",
+    }
+    bench = re.match(r"python -m navit_lightning\.bench\.(index|planning|decoders)", filled)
+    if bench:
+        return f"{bench.group(0)} {shrunk_bench[bench.group(1)]}", None
     if filled.startswith("python -m navit_lightning.bench.attention"):
         flags = re.sub(r"[\[\]]", "", filled)
         shrunk = "--models navit_tiny --tokens 512 --row-len 256 --steps 1 --no-compile"
