@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import Sampler
 
 from navit_lightning.data.packing import PackedShape, first_fit_decreasing_flat
+from navit_lightning.data.transforms import fit_grids
 from navit_lightning.errors import DataError
 
 
@@ -100,23 +101,6 @@ class SizePolicy:
         # np.rint rounds half to even, as Python's round did when this was a loop
         keep = np.maximum(1, np.rint(patches * (1 - rates))).astype(np.int64)
         return SampleKeys(budgets, keep, image_seeds)
-
-
-def fit_grids(
-    heights: np.ndarray, widths: np.ndarray, patch_size: int, max_patches: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """transforms.fit_grid for (images,) heights, widths and budgets at once: the same
-    float operations in the same order, so the same (images,) grid rows and columns."""
-    scale = np.minimum(1.0, np.sqrt(max_patches * patch_size**2 / (heights * widths)))
-    grid_h = np.maximum(1, np.rint(heights * scale / patch_size)).astype(np.int64)
-    grid_w = np.maximum(1, np.rint(widths * scale / patch_size)).astype(np.int64)
-    over = np.flatnonzero(grid_h * grid_w > max_patches)  # rounding up overshot by a row
-    while len(over):
-        taller = grid_h[over] >= grid_w[over]
-        grid_h[over[taller]] -= 1
-        grid_w[over[~taller]] -= 1
-        over = over[grid_h[over] * grid_w[over] > max_patches[over]]
-    return grid_h, grid_w
 
 
 class EpochOrder(Sampler[int]):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 
 import numpy as np
@@ -42,18 +41,28 @@ def upright_size(image: Image.Image) -> tuple[int, int]:
     return image.height, image.width
 
 
-def fit_grid(height: int, width: int, patch_size: int, max_patches: int) -> tuple[int, int]:
-    """The (rows, cols) patch grid closest to the image's own size, aspect ratio kept,
-    with at most max_patches patches and at least one patch per side."""
-    scale = min(1.0, math.sqrt(max_patches * patch_size**2 / (height * width)))
-    grid_h = max(1, round(height * scale / patch_size))
-    grid_w = max(1, round(width * scale / patch_size))
-    while grid_h * grid_w > max_patches:  # rounding up may overshoot the budget by a row
-        if grid_h >= grid_w:
-            grid_h -= 1
-        else:
-            grid_w -= 1
+def fit_grids(
+    heights: np.ndarray, widths: np.ndarray, patch_size: int, max_patches: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The (rows, cols) patch grids closest to (images,) images' own sizes, aspect ratio
+    kept, with at most max_patches patches and at least one patch per side: (images,) rows
+    and (images,) columns. The sampler sizes a whole epoch's images at once with it."""
+    scale = np.minimum(1.0, np.sqrt(max_patches * patch_size**2 / (heights * widths)))
+    grid_h = np.maximum(1, np.rint(heights * scale / patch_size)).astype(np.int64)
+    grid_w = np.maximum(1, np.rint(widths * scale / patch_size)).astype(np.int64)
+    over = np.flatnonzero(grid_h * grid_w > max_patches)  # rounding up overshot by a row
+    while len(over):
+        taller = grid_h[over] >= grid_w[over]
+        grid_h[over[taller]] -= 1
+        grid_w[over[~taller]] -= 1
+        over = over[grid_h[over] * grid_w[over] > max_patches[over]]
     return grid_h, grid_w
+
+
+def fit_grid(height: int, width: int, patch_size: int, max_patches: int) -> tuple[int, int]:
+    """fit_grids for one image."""
+    grid_h, grid_w = fit_grids(np.array([height]), np.array([width]), patch_size, np.array([max_patches]))
+    return int(grid_h[0]), int(grid_w[0])
 
 
 HIGH_BIT_DEPTH_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N"}
