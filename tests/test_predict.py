@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from navit_lightning.data.folder import image_files_under
 from navit_lightning.data.shapes import CLASSES
 from tests.conftest import TINY_RUN
 from tests.test_bad_input import make_messy_folder
@@ -60,7 +61,7 @@ def test_predicted_classes_are_those_eval_counts(run_entry_point, trained, tmp_p
     )
     val = shapes / "val"
     accuracy = float(re.search(r"val accuracy: ([0-9.]+)", result.stdout + result.stderr).group(1))
-    assert len(rows) == len(list(val.rglob("*.*")))
+    assert len(rows) == len(image_files_under(val))
     assert sum(hits) / len(hits) == pytest.approx(accuracy, abs=5e-5)  # printed to 4 places
 
 

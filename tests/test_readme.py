@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, TINY_SHAPES
+from tests.test_entry_points import assert_sane_rates, assert_written_once_by_rank_zero
 
 pytestmark = pytest.mark.slow
 
@@ -117,17 +118,18 @@ def as_run_here(command: str, run: str, images: Path) -> tuple[str, Path | None]
     if re.match(r"python -m navit_lightning\.bench\.(data_loading|step)", filled):
         filled = filled.replace("[train.py overrides]", shlex.join([*TINY_SHAPES, "data.num_workers=0"]))
         steps = " --steps 2 --warmup 1" if ".bench.step" in filled else ""
-        return re.sub(r"[\[\]]", "", filled) + steps, None
+        # optional flags left out: test_bench runs --ablate
+        return re.sub(r"\s*\[--[^\]]*\]", "", filled) + steps, None
     if filled.startswith("sbatch scripts/train.sbatch"):  # no SLURM: one task, srun a pass-through
         return f"bash scripts/train.sbatch {' '.join(filled.split(maxsplit=2)[2:])} {shrink}", REPO
     if filled == 'pip install -e ".[cluster]"':  # installed by make's dev extra: the plugin imports
         return f"{sys.executable} -c 'import hydra_plugins.hydra_submitit_launcher.submitit_launcher'", None
     if filled == "make train":
         return f"make train ARGS={shlex.quote(shrink)}", REPO
-    if filled == "make test":
-        return "make test ARGS=tests/test_configs.py", REPO
+    if filled == "make test":  # one quick test file: the suite is what runs this
+        return "make test ARGS=tests/test_packing.py", REPO
     if filled.startswith(".venv/bin/python -m pytest"):
-        return f"{filled} tests/test_configs.py", REPO
+        return f"{filled} tests/test_packing.py", REPO
     if filled == "make lint":
         return filled, REPO
     if filled == ".venv/bin/pre-commit install":  # into a clone: the checkout's hooks stay as they are
@@ -186,3 +188,7 @@ def test_readme_command_runs_as_written(command, readme_root, tmp_path):
         assert re.search(r"error: .*(GPU|CUDA|on CPU)", output), output[-3000:]
     else:
         assert result.returncode == 0, f"{line}\n{output[-4000:]}"
+    if "strategy=ddp_spawn" in command.split():  # its only run in the suite: spawned ranks log
+        run = max((root / "logs" / "train" / "runs").iterdir())  # as rank 0's job, once
+        assert_written_once_by_rank_zero(run)
+        assert_sane_rates(output)
