@@ -28,7 +28,7 @@ from navit_lightning.data.folder import (
 from navit_lightning.data.index import Manifest, index_folder, manifest_path
 from navit_lightning.data.packing import PackCollate, PackedShape
 from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
-from navit_lightning.data.shards import load_shards
+from navit_lightning.data.shards import load_shards, shard_classes
 from navit_lightning.data.workers import start_context
 from navit_lightning.errors import DataError
 from navit_lightning.utils.shutdown import exit_with_process
@@ -137,7 +137,7 @@ class PackedImageDataModule(L.LightningDataModule):
         if self.generate is not None:
             return sorted(shapes.CLASSES)  # the folder names, sorted as find_classes does
         if self.shards:
-            return load_shards(self.root)[1]
+            return shard_classes(self.root)
         train_dir = self.root / "train"
         train_root = train_dir if train_dir.is_dir() else self.root
         classes = find_classes(train_root)
@@ -149,9 +149,8 @@ class PackedImageDataModule(L.LightningDataModule):
             return
         if self.generate is not None:
             shapes.generate(self.root, self.generate, workers=os.cpu_count() or 1)
-        if (
-            not self._indexed and not self.shards
-        ):  # once per process: fit, then test and validate call this again
+        # once per process: fit, then test and validate call this again
+        if not self._indexed and not self.shards:
             self.class_names()  # a root that cannot train is refused before it is indexed
             index_folder(self.root, self.index_dir, workers=os.cpu_count() or 1)
             self._indexed = True
@@ -199,7 +198,7 @@ class PackedImageDataModule(L.LightningDataModule):
     def _manifest(self) -> tuple[Manifest, set[str]]:
         """root's manifest and the names of its top-level folders."""
         if self.shards:
-            manifest = load_shards(self.root)[0]
+            manifest = load_shards(self.root)
             return manifest, {path.split("/", 1)[0] for path in manifest.paths.tolist() if "/" in path}
         # Written by prepare_data; indexed here where this datamodule runs without a Trainer.
         path = manifest_path(self.root, self.index_dir)

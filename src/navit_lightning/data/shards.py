@@ -94,15 +94,26 @@ def _image_spans(shard: Path, shard_number: int) -> list[tuple[int, int, int]]:
         ]
 
 
-def load_shards(root: Path) -> tuple[Manifest, list[str]]:
-    """A shard folder's manifest and class names; refuses a folder without them."""
+def _no_shards(root: Path) -> DataError:
+    return DataError(
+        f"data.root={root} holds no shards: write them with "
+        f"python -m navit_lightning.data.shards <image folder> {root}"
+    )
+
+
+def shard_classes(root: Path) -> list[str]:
+    """A shard folder's class names, in label order (its manifest is not read)."""
+    if not (root / CLASSES_NAME).is_file():
+        raise _no_shards(root)
+    return json.loads((root / CLASSES_NAME).read_text())
+
+
+def load_shards(root: Path) -> Manifest:
+    """A shard folder's manifest; refuses a folder without one."""
     manifest = Manifest.load(root / MANIFEST_NAME)
-    if manifest is None or manifest.spans is None or not (root / CLASSES_NAME).is_file():
-        raise DataError(
-            f"data.root={root} holds no shards: write them with "
-            f"python -m navit_lightning.data.shards <image folder> {root}"
-        )
-    return manifest, json.loads((root / CLASSES_NAME).read_text())
+    if manifest is None or manifest.spans is None:
+        raise _no_shards(root)
+    return manifest
 
 
 def main() -> None:
