@@ -5,7 +5,7 @@ import torch
 
 from navit_lightning.data.packing import PackedBatch, PackedShape, pack
 from navit_lightning.models import NaViT
-from navit_lightning.models.attention import BACKENDS, varlen_available
+from navit_lightning.models.attention import BACKENDS, SegmentsBackend, varlen_available
 from tests.test_packing import PATCH_DIM, make_sample
 
 GRIDS = [(3, 5), (2, 2), (6, 4), (1, 7), (4, 4), (5, 1), (2, 6), (3, 3), (7, 2)]
@@ -65,9 +65,26 @@ def errors(result, reference) -> tuple[float, float]:
 def test_backend_matches_the_reference(device, backend, dtype):
     """Outputs and gradients of every backend, on every device and in every dtype it trains
     in, against masked SDPA in float64 on the CPU."""
+    assert_matches_the_reference(device, backend, dtype)
+
+
+@pytest.mark.parametrize("bucket_step", [4, 16])
+def test_segments_grouping_several_lengths_matches_the_reference(monkeypatch, bucket_step):
+    """Coarser groups pad their shorter images; the key mask must hide that padding."""
+    monkeypatch.setattr(SegmentsBackend, "bucket_step", bucket_step)
+    plan = SegmentsBackend().plan(reference_batch().image_ids, 6)
+    assert plan.buckets[:, 2].any(), "no group padded: the test would not reach the mask"
+    assert_matches_the_reference("cpu", "segments", torch.float32)
+
+
+def reference_batch() -> PackedBatch:
     samples = [make_sample(h, w, label=i, seed=i) for i, (h, w) in enumerate(GRIDS)]
     # Rows several images long, some padding at their ends, some empty slots.
-    batch = pack(samples, PackedShape(rows=2, row_len=80, max_images=6), PATCH_DIM)
+    return pack(samples, PackedShape(rows=2, row_len=80, max_images=6), PATCH_DIM)
+
+
+def assert_matches_the_reference(device: str, backend: str, dtype: torch.dtype) -> None:
+    batch = reference_batch()
     with_grads = not (backend == "flex" and device == "cpu")  # FlexAttention has no CPU backward
     reference = features_and_grads("sdpa", batch, "cpu", torch.float64, with_grads)
     result = features_and_grads(backend, batch, device, dtype, with_grads)

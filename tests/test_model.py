@@ -1,8 +1,10 @@
 import pytest
 import torch
+from einops import rearrange
 
 from navit_lightning.data.packing import PackedBatch, PackedShape, pack
 from navit_lightning.models import NaViT
+from navit_lightning.models.navit import PatchEmbed
 from tests.test_packing import PATCH_DIM, make_sample
 
 SHAPE = PackedShape(rows=3, row_len=40, max_images=4)
@@ -18,6 +20,17 @@ def make_net(**kwargs) -> NaViT:
 def features_by_label(net: NaViT, batch: PackedBatch) -> dict[int, torch.Tensor]:
     features = net(batch)
     return {int(batch.labels[r, k]): features[r, k] for r, k in (batch.labels >= 0).nonzero().tolist()}
+
+
+def test_patch_embedding_normalises_each_pixel_by_its_channel_then_projects():
+    """The one-pass pixel * scale + shift against (pixel / 255 - mean) / std per channel."""
+    mean, std = (0.1, 0.5, 0.9), (0.2, 0.3, 0.4)
+    embed = PatchEmbed(patch_size=2, channels=3, dim=8, pixel_mean=mean, pixel_std=std)
+    patches = torch.randint(0, 256, (5, 2 * 2 * 3), dtype=torch.uint8)
+    pixels = rearrange(patches.double() / 255, "n (pp c) -> n pp c", c=3)
+    normalised = (pixels - torch.tensor(mean, dtype=torch.float64)) / torch.tensor(std, dtype=torch.float64)
+    expected = embed.proj(rearrange(normalised, "n pp c -> n (pp c)").float())
+    torch.testing.assert_close(embed(patches), expected, atol=1e-5, rtol=1e-5)
 
 
 # The two layouts: the rows themselves (sdpa, and flex and varlen on GPUs), image buckets.

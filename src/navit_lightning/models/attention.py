@@ -9,10 +9,10 @@ themselves, or image groups), then attends with it:
 - flex: FlexAttention with a document block mask: blocks outside every image are skipped.
   Compiled (CPU and CUDA); its first step compiles for a while.
 - segments: the network runs on the images rather than the rows: the backend lays each
-  image's tokens out once per batch, grouped with images of about its length (rounded up to
-  4 tokens), and every layer attends per group with SDPA (a key-padding mask where lengths
-  differ): no gather per layer, no rows' padding in any layer, a batch costs about the sum
-  of its images' n_i^2. Any device, with gradients. Its plan reads the image lengths on the
+  image's tokens out once per batch, grouped with the images of its length, and every layer
+  attends per group with SDPA (a key-padding mask where lengths differ, when the groups are
+  coarser: `bucket_step`): no gather per layer, no padding in any layer, a batch costs the
+  sum of its images' n_i^2. Any device, with gradients. Its plan reads the image lengths on the
   host (one sync per batch); under torch.compile it stays eager and the layers around it
   compile with a dynamic length.
 - varlen: flash attention over variable-length segments (CUDA): each image is a sequence
@@ -123,9 +123,10 @@ class SegmentPlan(NamedTuple):
 
 class SegmentsBackend:
     name = "segments"
-    # Lengths rounded up to 4 tokens: exact lengths, 4, 8 and 16 measured within noise of each
-    # other on navit_tiny; on navit_small 1 and 4 were ~3 % faster than 16 (docs/benchmarks.md).
-    bucket_step = 4
+    # Exact lengths: 2 % faster than lengths rounded up to 4 tokens (navit_tiny, navit_small
+    # and ViT-S on CPU), whose padding runs through every layer; 8 was 5 % slower than 4
+    # (docs/benchmarks.md). A step above 1 groups images more coarsely, padded within a group.
+    bucket_step = 1
 
     # Eager under torch.compile (plan, arrange, attend): the plan reads lengths on the host and
     # the bucket loop changes with every batch; the layers around them compile, with the
@@ -175,13 +176,16 @@ class SegmentsBackend:
         # split, not slices: its backward is one cat, where each slice's fills a whole zero tensor
         sizes = [images * length for images, length, _ in buckets]
         outputs = []
+        # views and transposes, not einops: this loop runs per bucket and layer, where its
+        # parsing showed (2 % of a step, navit_tiny and ViT-S on CPU, docs/benchmarks.md)
         for qb, kb, vb, holds_token, (images, length, padded) in zip(
             *(t.split(sizes) for t in (q, k, v, plan.holds_token)), buckets, strict=True
         ):
-            qb, kb, vb = (rearrange(t, "(s l) h d -> s h l d", l=length) for t in (qb, kb, vb))
+            # (S*l, H, D) -> (S, H, l, D)
+            qb, kb, vb = (t.unflatten(0, (images, length)).transpose(1, 2) for t in (qb, kb, vb))
             keys = holds_token.view(images, 1, 1, length) if padded else None
             attended = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=keys)
-            outputs.append(rearrange(attended, "s h l d -> (s l) h d"))
+            outputs.append(attended.transpose(1, 2).flatten(0, 1))
         return torch.cat(outputs)
 
 

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from einops import rearrange
 from torch import nn
 
 from navit_lightning.data.packing import PackedBatch
@@ -58,10 +57,14 @@ class PatchEmbed(nn.Module):
         pixel_std: Sequence[float],
     ) -> None:
         super().__init__()
-        self.channels = channels
         patch_dim = patch_size * patch_size * channels
-        self.register_buffer("mean", torch.tensor(pixel_mean) * 255, persistent=False)
-        self.register_buffer("std", torch.tensor(pixel_std) * 255, persistent=False)
+        # (pixel - mean) / std as pixel * scale + shift, one value per flattened pixel (the
+        # channels innermost): one pass over the patches, vectorised along the patch (a
+        # broadcast over 3 channels is not), and no float copy of the uint8 pixels first.
+        scale = 1 / (torch.tensor(pixel_std) * 255)
+        shift = -torch.tensor(pixel_mean) * 255 * scale
+        self.register_buffer("scale", scale.repeat(patch_size * patch_size), persistent=False)
+        self.register_buffer("shift", shift.repeat(patch_size * patch_size), persistent=False)
         # No LayerNorm over a patch's pixels (vit-pytorch's NaViT has one): it rescales a
         # flat, noisy patch to unit variance, erasing the brightness that tells inside from
         # outside an object.
@@ -69,9 +72,7 @@ class PatchEmbed(nn.Module):
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         """(..., p*p*C) uint8 -> (..., dim)."""
-        pixels = rearrange(patches, "... (pp c) -> ... pp c", c=self.channels)
-        pixels = (pixels.to(self.mean.dtype) - self.mean) / self.std
-        return self.proj(rearrange(pixels, "... pp c -> ... (pp c)"))
+        return self.proj(torch.addcmul(self.shift, patches, self.scale))
 
 
 class NaViT(nn.Module):
