@@ -1,5 +1,7 @@
 """The benchmarks run (their figures are for people, not asserted as speeds)."""
 
+import pytest
+
 from navit_lightning.bench.data_loading import measure
 from tests.conftest import TINY_RUN
 
@@ -21,7 +23,7 @@ def test_attention_benchmark_measures_every_layout_on_the_same_images(tmp_path, 
 
     out = tmp_path / "bench.json"
     argv = ["--models", "navit_tiny", "--tokens", "512", "--row-len", "256", "--steps", "1", "--no-compile"]
-    backends = ["--backends", "sdpa", "segments", "--peers", "vit-pytorch"]
+    backends = ["--backends", "sdpa", "segments", "--peers", "vit-pytorch", "--profile"]
     monkeypatch.setattr(sys, "argv", ["bench", *argv, *backends, "--json", str(out)])
     attention.main()
     report = json.loads(out.read_text())
@@ -41,6 +43,37 @@ def test_attention_benchmark_measures_every_layout_on_the_same_images(tmp_path, 
         assert any(f"x the real patches/s of {compared}" in line for line in report["summary"]), compared
     assert len({r["images"] for r in results}) == 1  # every layout holds the same images
     assert all(r["step_ms"] > 0 and r["matmul_share"] > 0 for r in results)
+    # --profile: the fastest packed case and the peer at its best, their parts making up the step
+    profiles = report["profiles"]["navit_tiny"]
+    assert [name.split(" ")[0] for name in profiles][1:] == ["vit-pytorch"]
+    for name, profile in profiles.items():
+        parts = profile["parts"]
+        for part in ("matmuls", "attention (SDPA, flash, flex, varlen)", "optimizer (AdamW step, zero_grad)"):
+            assert parts[part] > 0, (name, part)
+        assert sum(parts.values()) == pytest.approx(profile["step_ms"], rel=0.02), name
+    assert any(line.startswith("navit_tiny: segments attends in") for line in report["summary"])
+
+
+def test_profile_parts_go_by_op_name_and_the_optimizer_by_caller():
+    from types import SimpleNamespace
+
+    from navit_lightning.bench.profile import OPTIMIZER, OTHER, part_of
+
+    def event(name, parent=None):
+        return SimpleNamespace(name=name, cpu_parent=parent)
+
+    expected = {
+        "aten::addmm": "matmuls",
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "attention (SDPA, flash, flex, varlen)",
+        "aten::native_layer_norm_backward": "LayerNorm",
+        "aten::gelu_backward": "GELU",
+        "aten::scatter_add_": "gathers, scatters (layout, positions, pooling)",
+        "aten::cat": "copies, cat, stack (layout)",
+        "aten::add_": OTHER,
+    }
+    assert {name: part_of(event(name)) for name in expected} == expected
+    step = event("Optimizer.step#AdamW.step")
+    assert part_of(event("aten::lerp_", event("aten::_foreach_lerp_", step))) == OPTIMIZER
 
 
 def test_step_benchmark_times_bare_and_lightning_steps_and_every_suspect(project_root, monkeypatch):

@@ -45,11 +45,16 @@ from typing import Any
 import torch
 
 from navit_lightning.bench import peers, train_config
+from navit_lightning.bench.profile import StepProfile, profile_step, profile_table
 from navit_lightning.data.packing import ImageSample, PackedBatch, PackedShape, first_fit_decreasing, pack
 from navit_lightning.models import NaViT
-from navit_lightning.models.attention import varlen_available
+from navit_lightning.models.attention import SegmentsBackend, varlen_available
 
 ROW_LENGTHS = (256, 512, 1024, 2048)
+# Issue 14's targets: real patches/s against the best peer, and model FLOP/s against the
+# matmul probe (fp32 on a CPU).
+PEER_TARGET = 1.5
+MATMUL_SHARE_TARGET = 0.75
 
 
 @dataclass
@@ -114,13 +119,25 @@ def padded_batch(samples: list[ImageSample], patch_dim: int) -> PackedBatch:
     return pack(square, PackedShape(rows=len(square), row_len=side * side, max_images=1), patch_dim)
 
 
-def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of a large square matmul on this device, median of a few."""
-    n = 4096 if device.type == "cuda" else 1536
-    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    a @ b  # warm-up
-    seconds = [timed_once(lambda: a @ b, device) for _ in range(5)]
-    return 2 * n**3 / statistics.median(seconds)
+class MatmulProbe:
+    """The device's matmul rate: a large square matmul, timed in every round of the steps
+    (a probe taken once, before them, moved by 25 % between runs on the CPU here)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        n = 4096 if device.type == "cuda" else 1536
+        self.a, self.b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        self.device, self.flops, self.seconds = device, 2 * n**3, []
+        self.a @ self.b  # warm-up
+
+    def time(self) -> None:
+        self.seconds += [timed_once(lambda: self.a @ self.b, self.device) for _ in range(3)]
+
+    @property
+    def rate(self) -> float:
+        """FLOP/s, from the median of every timing so far."""
+        if not self.seconds:
+            self.time()
+        return self.flops / statistics.median(self.seconds)
 
 
 def timed_once(step: Callable[[], object], device: torch.device) -> float:
@@ -202,9 +219,10 @@ class Case:
     peak_bytes: int = 0
 
 
-def measure_interleaved(cases: list[Case], device: torch.device, rounds: int, peak_rate: float) -> None:
-    """One warm-up step per case (compiles), then `rounds` rounds of one step of every case in
-    turn: the machine's drifts hit every case alike. Figures from the median step."""
+def measure_interleaved(cases: list[Case], device: torch.device, rounds: int, probe: MatmulProbe) -> None:
+    """One warm-up step per case (compiles), then `rounds` rounds of the matmul probe and one
+    step of every case in turn: the machine's drifts hit every case and the probe alike.
+    Figures from the median step."""
     ready = []
     for case in cases:
         if case.trainer is None:  # could not be built here: its note says why
@@ -215,6 +233,7 @@ def measure_interleaved(cases: list[Case], device: torch.device, rounds: int, pe
         except Exception as error:  # a backend that cannot run here is reported, not fatal
             case.result.note = f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"
     for _ in range(rounds):
+        probe.time()
         for case in ready:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -229,7 +248,7 @@ def measure_interleaved(cases: list[Case], device: torch.device, rounds: int, pe
         r.patches_per_s = r.real_tokens / seconds
         r.images_per_s = r.images / seconds
         r.tflops = case.flops / seconds / 1e12
-        r.matmul_share = case.flops / seconds / peak_rate
+        r.matmul_share = case.flops / seconds / probe.rate
         r.peak_mib = case.peak_bytes / 2**20 if device.type == "cuda" else None
 
 
@@ -327,9 +346,10 @@ def summary(results: list[Result], nominal_peak: float | None = None) -> list[st
             )
         for peer in dict.fromkeys(r.backend for r in timed if r.layout == "peer"):
             its_best = max((r for r in timed if r.backend == peer), key=lambda r: r.patches_per_s)
+            ratio = best.patches_per_s / its_best.patches_per_s
             lines.append(
-                f"{model}: best packed ({name}) {best.patches_per_s / its_best.patches_per_s:.2f}x the real "
-                f"patches/s of {peer} at its best (rows of {its_best.row_len} tokens)"
+                f"{model}: best packed ({name}) {ratio:.2f}x the real patches/s of {peer} at its best "
+                f"(rows of {its_best.row_len} tokens); target {PEER_TARGET}x: {verdict(ratio >= PEER_TARGET)}"
             )
         scaling = [r for r in timed if r.layout == "scaling"]
         for backend in dict.fromkeys(r.backend for r in scaling):
@@ -349,10 +369,15 @@ def summary(results: list[Result], nominal_peak: float | None = None) -> list[st
         share = max(r.matmul_share for r in packed)
         of_peak = max(r.tflops for r in packed) * 1e12 / nominal_peak if nominal_peak else None
         lines.append(
-            f"{model}: best share of the matmul probe {share:.0%}"
+            f"{model}: best share of the matmul probe {share:.0%} (target {MATMUL_SHARE_TARGET:.0%}: "
+            f"{verdict(share >= MATMUL_SHARE_TARGET)})"
             + (f", of the device's nominal bf16 peak {of_peak:.0%}" if of_peak else "")
         )
     return lines
+
+
+def verdict(met: bool) -> str:
+    return "met" if met else "NOT met"
 
 
 # Dense bf16 tensor-core peaks from the vendor's data sheets, by device name.
@@ -417,6 +442,48 @@ def largest_batch(
     )
 
 
+def profile_fastest(cases: list[Case], device: torch.device) -> dict[str, StepProfile]:
+    """Profiles of the fastest packed case and of each peer at its best, by case name."""
+    timed = [c for c in cases if c.result.step_ms is not None]
+    fastest: dict[str, Case] = {}
+    for case in timed:
+        r = case.result
+        name = f"{r.backend}{' compiled' if r.compiled else ''}" if r.layout == "packed" else r.backend
+        if r.layout in ("packed", "peer") and (
+            name not in fastest or r.step_ms < fastest[name].result.step_ms
+        ):
+            fastest[name] = case
+    best = min(
+        (n for n, c in fastest.items() if c.result.layout == "packed"),
+        key=lambda n: fastest[n].result.step_ms,
+    )
+    chosen = [best] + [n for n, c in fastest.items() if c.result.layout == "peer"]
+    return {
+        f"{name} ({fastest[name].result.row_len})": profile_step(
+            lambda c=fastest[name]: c.trainer.step(c.batch), device
+        )
+        for name in chosen
+    }
+
+
+def segment_groups(model: str, arch: dict, cases: list[Case], named: dict[str, StepProfile]) -> list[str]:
+    """segments' groups per layer and, as an upper bound of its Python per group, the host
+    time no op accounts for, shared out over its SDPA calls."""
+    packed = next((c for c in cases if c.result.layout == "packed" and c.result.backend == "segments"), None)
+    ours = next(iter(named.items()), None)
+    if packed is None or ours is None or not ours[0].startswith("segments"):
+        return []
+    batch = packed.batch
+    groups = len(SegmentsBackend().plan(batch.image_ids, batch.grid.shape[1]).buckets)
+    calls = groups * arch["depth"]
+    host_ms = next(ms for part, ms in ours[1].parts.items() if "no op" in part)
+    return [
+        f"{model}: segments attends in {groups} groups a layer, {calls} SDPA calls a forward; the host "
+        f"time no op accounts for, {host_ms:.1f} ms a step, is at most {1000 * host_ms / calls:.0f} us "
+        f"per group and layer (forward and backward)"
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -438,15 +505,22 @@ def main() -> None:
         "--steps", type=int, default=5, help="timed steps per figure, taken in interleaved rounds (median)"
     )
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile runs")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU)")
+    parser.add_argument(
+        "--bf16", action="store_true", help="bf16 autocast (a GPU, or a CPU with bf16 matrix units: AMX)"
+    )
     parser.add_argument("--largest", metavar="BACKEND", help="also find the most tokens a step fits (CUDA)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="where the ms of a step go (torch profiler): the fastest packed case, each peer at its best",
+    )
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     autocast = torch.bfloat16 if args.bf16 else None
-    peak_rate = matmul_rate(device, autocast or torch.float32)
+    probe = MatmulProbe(device, autocast or torch.float32)
     nominal_peak = nominal_bf16_peak(device) if autocast == torch.bfloat16 else None
     usable = [
         b
@@ -458,16 +532,16 @@ def main() -> None:
     machine = (
         torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU x{torch.get_num_threads()}"
     )
-    header = (
-        f"{time.strftime('%Y-%m-%d')}, {machine}, torch {torch.__version__}; matmul probe "
-        f"{peak_rate / 1e12:.3f} TFLOP/s ({autocast or torch.float32}); {len(grids)} images "
-        f"({args.sides[0]}..{args.sides[1]} patches a side), {sum(h * w for h, w in grids)} patches a step"
+    workload_line = (
+        f"{len(grids)} images ({args.sides[0]}..{args.sides[1]} patches a side), "
+        f"{sum(h * w for h, w in grids)} patches a step"
         + (f"; overrides: {' '.join(args.set)}" if args.set else "")
         + (f"; skipped here: {', '.join(skipped)}" if skipped else "")
     )
-    print(header, flush=True)
+    print(f"{machine}: {workload_line}", file=sys.stderr, flush=True)
     results: list[Result] = []
     extra: list[str] = []
+    profiles: dict[str, dict[str, StepProfile]] = {}
     for model in args.models:
         arch = architecture(model, args.set)
         samples = samples_for(grids, pixels_per_patch(arch))
@@ -475,14 +549,25 @@ def main() -> None:
         print(
             f"{model}: {len(cases)} cases, {args.steps} interleaved rounds ...", file=sys.stderr, flush=True
         )
-        measure_interleaved(cases, device, args.steps, peak_rate)
+        measure_interleaved(cases, device, args.steps, probe)
         results += [case.result for case in cases]
+        if args.profile:
+            profiles[model] = profile_fastest(cases, device)
+            extra += segment_groups(model, arch, cases, profiles[model])
         del cases
         if args.largest and device.type == "cuda":
             extra.append(f"{model}: {largest_batch(arch, args.largest, args, device, autocast)}")
     lines = summary(results, nominal_peak) + extra
-    table = "\n".join([header, "", TABLE_HEAD, *map(markdown_row, results), "", *map("- {}".format, lines)])
-    print(table.split("\n", 1)[1], flush=True)
+    header = (
+        f"{time.strftime('%Y-%m-%d')}, {machine}, torch {torch.__version__}; matmul probe "
+        f"{probe.rate / 1e12:.3f} TFLOP/s ({autocast or torch.float32}, median over the rounds); "
+        + workload_line
+    )
+    table = "\n".join(
+        [header, "", TABLE_HEAD, *map(markdown_row, results), "", *map("- {}".format, lines)]
+        + [f"\n{model}, where a step's ms go:\n\n{profile_table(named)}" for model, named in profiles.items()]
+    )
+    print(table, flush=True)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table + "\n")
@@ -491,9 +576,13 @@ def main() -> None:
             json.dump(
                 {
                     "header": header,
-                    "matmul_flops": peak_rate,
+                    "matmul_flops": probe.rate,
                     "results": [asdict(r) for r in results],
                     "summary": lines,
+                    "profiles": {
+                        model: {name: asdict(p) for name, p in named.items()}
+                        for model, named in profiles.items()
+                    },
                 },
                 f,
                 indent=2,
