@@ -36,6 +36,11 @@ def config(*overrides: str):
         (0, ["~logger"], "callbacks.learning_rate_monitor needs a logger: with ~logger add"),
         (0, ["patch_budgets=[16,0]"], "must be a list of positive patch counts, e.g. patch_budgets="),
         (0, ["patch_budgets=36"], "must be a list of positive patch counts"),
+        (
+            2,
+            ["optimizer.fused=true", "trainer.precision=bf16-mixed"],
+            "optimizer.fused=true cannot clip gradients under trainer.precision=bf16-mixed",
+        ),
     ],
 )
 def test_refused(monkeypatch, gpus, overrides, message):
@@ -63,6 +68,8 @@ def test_refused(monkeypatch, gpus, overrides, message):
         (2, ["model.net.attention=varlen", "trainer.precision=bf16-mixed"]),
         (2, ["model.net.attention=flex"]),
         (0, ["~logger", "callbacks.learning_rate_monitor=null"]),
+        (0, ["optimizer.fused=true"]),
+        (2, ["optimizer.fused=true", "trainer.precision=bf16-mixed", "trainer.gradient_clip_val=null"]),
     ],
 )
 def test_allowed(monkeypatch, gpus, overrides):

@@ -53,6 +53,7 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
         check_dp(cfg, on_gpu)
     check_patch_budgets(cfg.get("patch_budgets"))
     if training:
+        check_fused_optimizer(cfg)
         check_attention(cfg.model.net.attention, on_gpu, str(trainer.precision))
         if not cfg.get("logger") and (cfg.get("callbacks") or {}).get("learning_rate_monitor"):
             # Lightning's LearningRateMonitor fails at the start of fit without a logger
@@ -63,6 +64,17 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
         ckpt_path = cfg.get("ckpt_path")
         if ckpt_path is not None and ckpt_path not in LIGHTNING_CKPT_NAMES:
             read_checkpoint(ckpt_path)
+
+
+def check_fused_optimizer(cfg: DictConfig) -> None:
+    """Lightning's mixed precision refuses to clip the gradients of an optimizer that unscales
+    them itself (a fused one), and only at the first step."""
+    precision, clip = str(cfg.trainer.precision), cfg.trainer.gradient_clip_val
+    if cfg.optimizer.get("fused") and precision.endswith("-mixed") and clip:
+        raise ConfigError(
+            f"optimizer.fused=true cannot clip gradients under trainer.precision={precision}: "
+            "set trainer.gradient_clip_val=null or optimizer.fused=null"
+        )
 
 
 def check_patch_budgets(budgets: object) -> None:
