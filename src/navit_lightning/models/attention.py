@@ -173,6 +173,17 @@ class SegmentsBackend:
             # Still from q, k and v: under DDP every parameter must get its (zero) gradient,
             # or this rank's backward skips a bucket's all_reduce that the other ranks enter.
             return q + k + v
+        if q.device.type != "cpu":
+            return self.attend(q, k, v, plan)
+        # On a CPU in float32, also under bf16 autocast: the CPU's bf16 flash kernel pads each
+        # group to a long block (a group of 30 16-token images: 6.7 ms forward and backward in
+        # bf16, 0.8 ms in float32 on an AMX CPU, docs/benchmarks.md).
+        with torch.autocast("cpu", enabled=False):
+            return self.attend(q.float(), k.float(), v.float(), plan).to(v.dtype)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
+        """SDPA within each group of the plan: (P, H, D) each -> (P, H, D)."""
+        buckets = plan.buckets.tolist()
         # split, not slices: its backward is one cat, where each slice's fills a whole zero tensor
         sizes = [images * length for images, length, _ in buckets]
         outputs = []
