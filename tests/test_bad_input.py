@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from navit_lightning.batch import PackedShape
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.data.folder import ImageFolder, split_images, warn_unreadable
 from navit_lightning.data.index import index_folder
-from navit_lightning.data.packing import PackCollate, PackedShape
+from navit_lightning.data.packing import PackCollate
 from navit_lightning.data.sampler import SizePolicy
 from navit_lightning.data.transforms import image_to_sample, to_rgb, upright_size
 from navit_lightning.errors import DataError

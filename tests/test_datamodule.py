@@ -8,8 +8,8 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from navit_lightning.batch import PackedBatch
 from navit_lightning.data.datamodule import PackedImageDataModule
-from navit_lightning.data.packing import PackedBatch
 
 
 def test_train_and_val_folders_are_used_as_given(project_root):

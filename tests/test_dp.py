@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from navit_lightning.data.packing import PackedBatch
+from navit_lightning.batch import PackedBatch
 from navit_lightning.lit_module import NaViTClassifier
 from navit_lightning.strategies import PackedDataParallelStrategy
 from navit_lightning.strategies.dp import apply_replicas, split_rows

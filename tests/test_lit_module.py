@@ -5,7 +5,8 @@ from functools import partial
 import pytest
 import torch
 
-from navit_lightning.data.packing import PackedBatch, PackedShape, image_index, pack
+from navit_lightning.batch import PackedBatch, PackedShape, image_index
+from navit_lightning.data.packing import pack
 from navit_lightning.lit_module import NaViTClassifier
 from navit_lightning.models import NaViT
 from tests.test_model import SHAPE

@@ -2,7 +2,8 @@ import pytest
 import torch
 from einops import rearrange
 
-from navit_lightning.data.packing import PackedBatch, PackedShape, pack
+from navit_lightning.batch import PackedBatch, PackedShape
+from navit_lightning.data.packing import pack
 from navit_lightning.models import NaViT
 from navit_lightning.models.navit import PatchEmbed
 from tests.test_packing import PATCH_DIM, make_sample

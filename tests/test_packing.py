@@ -3,15 +3,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from navit_lightning.data.packing import (
-    IGNORE_LABEL,
-    PAD_ID,
-    ImageSample,
-    ImageTooLongError,
-    PackedShape,
-    first_fit_decreasing,
-    pack,
-)
+from navit_lightning.batch import IGNORE_LABEL, PAD_ID, PackedShape
+from navit_lightning.data.packing import ImageSample, ImageTooLongError, first_fit_decreasing, pack
 
 PATCH_DIM = 4 * 4 * 3
 

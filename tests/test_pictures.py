@@ -6,7 +6,8 @@ import pytest
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from navit_lightning.data.packing import PackedShape, pack
+from navit_lightning.batch import PackedShape
+from navit_lightning.data.packing import pack
 from navit_lightning.data.transforms import image_to_sample
 from navit_lightning.pictures import packed_batch_figure, unpack_images
 from tests.conftest import TINY_RUN, logged_scalars

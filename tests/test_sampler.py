@@ -6,8 +6,8 @@ from itertools import islice
 import numpy as np
 import pytest
 
+from navit_lightning.batch import PackedShape
 from navit_lightning.data.folder import mirrored
-from navit_lightning.data.packing import PackedShape
 from navit_lightning.data.sampler import EpochOrder, PackedBatchSampler, SampleKey, SizePolicy
 from navit_lightning.data.transforms import fit_grid, fit_grids
 from navit_lightning.errors import DataError

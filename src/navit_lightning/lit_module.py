@@ -12,7 +12,7 @@ from torch import nn
 from torchmetrics import MaxMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
-from navit_lightning.data.packing import IGNORE_LABEL, PackedBatch, image_index
+from navit_lightning.batch import IGNORE_LABEL, PackedBatch, image_index
 from navit_lightning.models import NaViT, build_head
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]

@@ -19,7 +19,7 @@ from matplotlib.patches import Rectangle
 from matplotlib.ticker import ScalarFormatter
 from torchmetrics.classification import MulticlassConfusionMatrix
 
-from navit_lightning.data.packing import PackedBatch, image_index
+from navit_lightning.batch import PackedBatch, image_index
 
 if TYPE_CHECKING:
     from navit_lightning.resolution import BudgetResult

@@ -44,9 +44,10 @@ from typing import Any
 
 import torch
 
+from navit_lightning.batch import PackedBatch, PackedShape
 from navit_lightning.bench import peers, train_config
 from navit_lightning.bench.profile import StepProfile, profile_step, profile_table
-from navit_lightning.data.packing import ImageSample, PackedBatch, PackedShape, first_fit_decreasing, pack
+from navit_lightning.data.packing import ImageSample, first_fit_decreasing, pack
 from navit_lightning.models import NaViT
 from navit_lightning.models.attention import SegmentsBackend, varlen_available
 

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from einops import rearrange
 
-from navit_lightning.data.packing import PAD_ID, ImageSample, PackedShape, pack
+from navit_lightning.batch import PAD_ID, PackedShape
+from navit_lightning.data.packing import ImageSample, pack
 
 
 def load_vit_pytorch_navit() -> ModuleType:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from navit_lightning.data.packing import PackedShape
+from navit_lightning.batch import PackedShape
 from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy, _EpochPlan, plan_batches
 
 SHAPE = PackedShape(rows=14, row_len=144, max_images=32)

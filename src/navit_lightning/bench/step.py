@@ -42,8 +42,8 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
 
+from navit_lightning.batch import PackedBatch, image_index
 from navit_lightning.bench import train_config
-from navit_lightning.data.packing import PackedBatch, image_index
 from navit_lightning.lit_module import NaViTClassifier, image_loss, parameter_groups
 from navit_lightning.train import build
 from navit_lightning.utils.entry_point import tidy_lightning_output

@@ -1,3 +1,1 @@
-from navit_lightning.data.packing import PackedBatch, PackedShape
-
-__all__ = ["PackedBatch", "PackedShape"]
+"""Image data sets, their packing into batches, and the LightningDataModule."""

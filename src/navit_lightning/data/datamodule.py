@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
+from navit_lightning.batch import PackedShape
 from navit_lightning.data import shapes
 from navit_lightning.data.folder import (
     ImageFolder,
@@ -26,7 +27,7 @@ from navit_lightning.data.folder import (
     warn_unreadable,
 )
 from navit_lightning.data.index import Manifest, index_folder, manifest_path
-from navit_lightning.data.packing import PackCollate, PackedShape
+from navit_lightning.data.packing import PackCollate
 from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
 from navit_lightning.data.shards import load_shards, shard_classes
 from navit_lightning.data.workers import start_context

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from navit_lightning.data.packing import PackedShape, first_fit_decreasing_flat
+from navit_lightning.batch import PackedShape
+from navit_lightning.data.packing import first_fit_decreasing_flat
 from navit_lightning.data.transforms import fit_grids
 from navit_lightning.errors import DataError
 

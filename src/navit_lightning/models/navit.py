@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from navit_lightning.data.packing import PackedBatch
+from navit_lightning.batch import PackedBatch
 from navit_lightning.errors import ConfigError
 from navit_lightning.models.attention import (
     Attention,

@@ -10,7 +10,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from navit_lightning.data.packing import PAD_ID
+from navit_lightning.batch import PAD_ID
 
 
 def segment_ids(image_ids: torch.Tensor, max_images: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch import nn
 from torch.nn.parallel import replicate
 
-from navit_lightning.data.packing import PackedBatch
+from navit_lightning.batch import PackedBatch
 
 
 def split_rows(batch: PackedBatch, devices: Sequence[torch.device]) -> list[PackedBatch]:
