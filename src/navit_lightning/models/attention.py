@@ -12,9 +12,9 @@ themselves, or image groups), then attends with it:
   image's tokens out once per batch, grouped with the images of its length, and every layer
   attends per group with SDPA (a key-padding mask where lengths differ, when the groups are
   coarser: `bucket_step`): no gather per layer, no padding in any layer, a batch costs the
-  sum of its images' n_i^2. Any device, with gradients. Its plan reads the image lengths on the
-  host (one sync per batch); under torch.compile it stays eager and the layers around it
-  compile with a dynamic length.
+  sum of its images' n_i^2. Any device, with gradients; on a CPU it attends in float32, also
+  under bf16 autocast. Its plan reads the image lengths on the host (one sync per batch);
+  under torch.compile it stays eager and the layers around it compile with a dynamic length.
 - varlen: flash attention over variable-length segments (CUDA): each image is a sequence
   of its own, so a row costs the sum of its images' n_i^2. A row's padding is one more short
   segment, whose outputs are never used; an empty image slot a zero-length one, so that the
