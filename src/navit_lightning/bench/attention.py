@@ -46,7 +46,7 @@ import torch
 
 from navit_lightning.batch import PackedBatch, PackedShape
 from navit_lightning.bench import peers, train_config
-from navit_lightning.bench.profile import StepProfile, profile_step, profile_table
+from navit_lightning.bench.profile import UNACCOUNTED, StepProfile, profile_step, profile_table
 from navit_lightning.data.packing import ImageSample, first_fit_decreasing, pack
 from navit_lightning.models import NaViT
 from navit_lightning.models.attention import SegmentsBackend, varlen_available
@@ -444,27 +444,21 @@ def largest_batch(
 
 
 def profile_fastest(cases: list[Case], device: torch.device) -> dict[str, StepProfile]:
-    """Profiles of the fastest packed case and of each peer at its best, by case name."""
+    """Profiles of the fastest packed case and of each peer at its best, by case name (none
+    where no packed case ran)."""
     timed = [c for c in cases if c.result.step_ms is not None]
-    fastest: dict[str, Case] = {}
-    for case in timed:
+    packed = [c for c in timed if c.result.layout == "packed"]
+    if not packed:
+        return {}
+    chosen = [min(packed, key=lambda c: c.result.step_ms)]
+    for peer in dict.fromkeys(c.result.backend for c in timed if c.result.layout == "peer"):
+        chosen.append(min((c for c in timed if c.result.backend == peer), key=lambda c: c.result.step_ms))
+    named = {}
+    for case in chosen:
         r = case.result
-        name = f"{r.backend}{' compiled' if r.compiled else ''}" if r.layout == "packed" else r.backend
-        if r.layout in ("packed", "peer") and (
-            name not in fastest or r.step_ms < fastest[name].result.step_ms
-        ):
-            fastest[name] = case
-    best = min(
-        (n for n, c in fastest.items() if c.result.layout == "packed"),
-        key=lambda n: fastest[n].result.step_ms,
-    )
-    chosen = [best] + [n for n, c in fastest.items() if c.result.layout == "peer"]
-    return {
-        f"{name} ({fastest[name].result.row_len})": profile_step(
-            lambda c=fastest[name]: c.trainer.step(c.batch), device
-        )
-        for name in chosen
-    }
+        name = f"{r.backend}{' compiled' if r.compiled else ''} ({r.row_len})"
+        named[name] = profile_step(lambda case=case: case.trainer.step(case.batch), device)
+    return named
 
 
 def segment_groups(model: str, arch: dict, cases: list[Case], named: dict[str, StepProfile]) -> list[str]:
@@ -477,7 +471,9 @@ def segment_groups(model: str, arch: dict, cases: list[Case], named: dict[str, S
     batch = packed.batch
     groups = len(SegmentsBackend().plan(batch.image_ids, batch.grid.shape[1]).buckets)
     calls = groups * arch["depth"]
-    host_ms = next(ms for part, ms in ours[1].parts.items() if "no op" in part)
+    host_ms = ours[1].parts.get(UNACCOUNTED["cpu"])
+    if host_ms is None:  # on a GPU the part without an op is the GPU's idle time
+        return []
     return [
         f"{model}: segments attends in {groups} groups a layer, {calls} SDPA calls a forward; the host "
         f"time no op accounts for, {host_ms:.1f} ms a step, is at most {1000 * host_ms / calls:.0f} us "
@@ -552,9 +548,9 @@ def main() -> None:
         )
         measure_interleaved(cases, device, args.steps, probe)
         results += [case.result for case in cases]
-        if args.profile:
-            profiles[model] = profile_fastest(cases, device)
-            extra += segment_groups(model, arch, cases, profiles[model])
+        if args.profile and (named := profile_fastest(cases, device)):
+            profiles[model] = named
+            extra += segment_groups(model, arch, cases, named)
         del cases
         if args.largest and device.type == "cuda":
             extra.append(f"{model}: {largest_batch(arch, args.largest, args, device, autocast)}")

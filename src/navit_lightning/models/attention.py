@@ -296,8 +296,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, backend: Backend, plan: Any) -> torch.Tensor:
         """x: (*layout, dim), the backend's token layout."""
-        # unbind next to the heads, not a leading dim: its backward stacks the three gradients
-        # straight into qkv's layout, with no permuted copy
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).unbind(-3)
+        # q, k and v each from its third of qkv's weight: three contiguous outputs, where one
+        # matmul gives strided views that the q/k norms copy and whose gradients the backward
+        # stacks (1.5..3.7 % of a CPU step in float32). x is cast once for the three (autocast
+        # would cast it for each).
+        x = x.to(compute_dtype(x.device, x.dtype))
+        q, k, v = (
+            F.linear(x, weight, bias).unflatten(-1, (self.heads, -1))
+            for weight, bias in zip(self.qkv.weight.chunk(3), self.qkv.bias.chunk(3), strict=True)
+        )
         out = backend(self.q_norm(q), self.k_norm(k), v, plan)
         return self.proj(rearrange(out, "... h d -> ... (h d)"))
