@@ -41,6 +41,11 @@ def config(*overrides: str):
             ["optimizer.fused=true", "trainer.precision=bf16-mixed"],
             "optimizer.fused=true cannot clip gradients under trainer.precision=bf16-mixed",
         ),
+        (
+            0,
+            ["optimizer.fused=true", "trainer.precision=bf16"],
+            "optimizer.fused=true cannot clip gradients under trainer.precision=bf16:",
+        ),
     ],
 )
 def test_refused(monkeypatch, gpus, overrides, message):

@@ -18,6 +18,8 @@ GPU_ACCELERATORS = {"gpu", "cuda"}
 # Lightning turns 16-mixed into bf16-mixed on CPU with only a warning.
 GPU_ONLY_PRECISIONS = {"16-mixed", "16"}
 HALF_PRECISIONS = {"bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16", "16"}
+# Lightning reads the bare "bf16" and "16" as their -mixed forms.
+MIXED_PRECISIONS = {"bf16-mixed", "16-mixed", "bf16", "16"}
 DP_TARGET = "navit_lightning.strategies.PackedDataParallelStrategy"
 STRATEGY_OPTIONS = sorted(path.stem for path in (Path(CONFIG_DIR) / "strategy").glob("*.yaml"))
 
@@ -70,7 +72,7 @@ def check_fused_optimizer(cfg: DictConfig) -> None:
     """Lightning's mixed precision refuses to clip the gradients of an optimizer that unscales
     them itself (a fused one), and only at the first step."""
     precision, clip = str(cfg.trainer.precision), cfg.trainer.gradient_clip_val
-    if cfg.optimizer.get("fused") and precision.endswith("-mixed") and clip:
+    if cfg.optimizer.get("fused") and precision in MIXED_PRECISIONS and clip:
         raise ConfigError(
             f"optimizer.fused=true cannot clip gradients under trainer.precision={precision}: "
             "set trainer.gradient_clip_val=null or optimizer.fused=null"
