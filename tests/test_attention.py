@@ -75,7 +75,8 @@ def test_backend_matches_the_reference(device, backend, dtype):
 def test_segments_grouping_several_lengths_matches_the_reference(monkeypatch, bucket_step):
     """Coarser groups pad their shorter images; the key mask must hide that padding."""
     monkeypatch.setattr(SegmentsBackend, "bucket_step", bucket_step)
-    plan = SegmentsBackend().plan(reference_batch().image_ids, 6)
+    batch = reference_batch()
+    plan = SegmentsBackend().plan(batch.image_ids, batch.grid.shape[1])
     assert plan.buckets[:, 2].any(), "no group padded: the test would not reach the mask"
     assert_matches_the_reference("cpu", "segments", torch.float32)
 
