@@ -5,7 +5,8 @@ the machine's matmul rate.
     python -m navit_lightning.bench.attention [--models navit_tiny navit_small]
         [--set model.net.depth=6 ...] [--backends sdpa segments flex varlen]
         [--peers vit-pytorch timm] [--tokens 4096] [--sides 4 16] [--row-len 512] [--steps 5]
-        [--no-compile] [--bf16] [--largest BACKEND] [--json FILE] [--markdown FILE]
+        [--no-compile] [--bf16] [--largest BACKEND] [--profile] [--release-host-memory]
+        [--json FILE] [--markdown FILE]
 
 One fixed, seeded workload of mixed-resolution images (`--sides` patches a side, aspect up
 to 2:1) is packed into `--tokens` tokens per step; every figure comes from this one run:
@@ -24,7 +25,9 @@ to 2:1) is packed into `--tokens` tokens per step; every figure comes from this 
      peak plus the network's parameters and optimizer state; with --largest, the most
      tokens a step of that backend fits.
 The cases of a model are timed in interleaved rounds (one step of each in turn), so that the
-machine's drifts hit them alike; a summary under the table states the comparisons.
+machine's drifts hit them alike; a summary under the table states the comparisons. On a CPU
+the process keeps freed host memory as train.py's callbacks do, for every case and peer alike
+(--release-host-memory: glibc's default).
 Backends that cannot train here (varlen without an sm80+ GPU; flex on CPU, which has no
 FlexAttention backward) are reported as skipped.
 """
@@ -50,6 +53,7 @@ from navit_lightning.bench.profile import UNACCOUNTED, StepProfile, profile_step
 from navit_lightning.data.packing import ImageSample, first_fit_decreasing, pack
 from navit_lightning.models import NaViT
 from navit_lightning.models.attention import SegmentsBackend, varlen_available
+from navit_lightning.utils.host_memory import keep_freed_memory
 
 ROW_LENGTHS = (256, 512, 1024, 2048)
 # Issue 14's targets: real patches/s against the best peer, and model FLOP/s against the
@@ -511,6 +515,11 @@ def main() -> None:
         action="store_true",
         help="where the ms of a step go (torch profiler): the fastest packed case, each peer at its best",
     )
+    parser.add_argument(
+        "--release-host-memory",
+        action="store_true",
+        help="on a CPU, leave glibc's allocator as it is (train.py keeps freed host memory)",
+    )
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args()
@@ -529,6 +538,9 @@ def main() -> None:
     machine = (
         torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU x{torch.get_num_threads()}"
     )
+    # The same allocator for every case and peer: a setting of the process.
+    if device.type == "cpu" and not args.release_host_memory and keep_freed_memory():
+        machine += ", freed host memory kept"
     workload_line = (
         f"{len(grids)} images ({args.sides[0]}..{args.sides[1]} patches a side), "
         f"{sum(h * w for h, w in grids)} patches a step"

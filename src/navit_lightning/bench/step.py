@@ -46,6 +46,7 @@ from navit_lightning.batch import PackedBatch, image_index
 from navit_lightning.bench import train_config
 from navit_lightning.lit_module import NaViTClassifier, image_loss, parameter_groups
 from navit_lightning.train import build
+from navit_lightning.utils.callbacks import KeepFreedHostMemory
 from navit_lightning.utils.entry_point import tidy_lightning_output
 
 SHOW_WARNING = warnings.showwarning
@@ -171,6 +172,11 @@ def measure(
     )
     if trainer.world_size > 1:
         raise ValueError("the step benchmark runs one process: pass trainer.devices=1 and strategy=auto")
+    # The process as the first Lightning run leaves it, for the bare steps before it too: the
+    # allocator setting lasts for the process.
+    for callback in trainer.callbacks:
+        if isinstance(callback, KeepFreedHostMemory):
+            callback.setup(trainer, model, "fit")
     datamodule.prepare_data()
     datamodule.setup("fit")
     loader = iter(datamodule.train_dataloader())
