@@ -20,8 +20,9 @@ LARGEST = 2**31 - 1  # mallopt takes a C int
 
 
 def keep_freed_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds in this process (and the processes it forks,
-    DataLoader workers among them). False where the C library is not glibc (macOS, musl)."""
+    """Raise glibc's mmap and trim thresholds in this process, and in processes it forks from
+    now on (not DataLoader workers: they start from a forkserver, with glibc's defaults).
+    False where the C library is not glibc (macOS, musl)."""
     try:
         os.confstr("CS_GNU_LIBC_VERSION")
     except (ValueError, OSError):
