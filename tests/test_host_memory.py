@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from navit_lightning.utils.host_memory import glibc
+
 # In a fresh process: the setting is the process's own, and would outlive the test here.
 COUNT_FAULTS = """
 import resource, sys, types, torch
@@ -26,13 +28,6 @@ for device in ("cuda", "cpu"):  # where the model runs (no GPU is touched)
 """
 
 PAGES_OF_64_MIB = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
-
-
-def glibc() -> bool:
-    try:
-        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
-    except (ValueError, OSError):
-        return False
 
 
 @pytest.mark.skipif(not glibc(), reason="the setting is glibc's (mallopt)")

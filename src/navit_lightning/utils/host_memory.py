@@ -19,13 +19,19 @@ M_MMAP_THRESHOLD = -3
 LARGEST = 2**31 - 1  # mallopt takes a C int
 
 
+def glibc() -> bool:
+    """Whether this process's C library is glibc."""
+    try:
+        return bool(os.confstr("CS_GNU_LIBC_VERSION"))
+    except (ValueError, OSError):
+        return False
+
+
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds in this process, and in processes it forks from
     now on (not DataLoader workers: they start from a forkserver, with glibc's defaults).
     False where the C library is not glibc (macOS, musl)."""
-    try:
-        os.confstr("CS_GNU_LIBC_VERSION")
-    except (ValueError, OSError):
+    if not glibc():
         return False
     libc = ctypes.CDLL(None)  # the process's own C library
     return all(libc.mallopt(parameter, LARGEST) == 1 for parameter in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD))
