@@ -4,7 +4,9 @@ import os
 
 os.environ.setdefault("PROJECT_ROOT", os.path.dirname(os.path.abspath(__file__)))
 
-from navit_lightning.train import main
-
+# Imported under the guard: multiprocessing runs this file again in the loader workers'
+# server and in ddp_spawn's ranks, which import what they need themselves.
 if __name__ == "__main__":
+    from navit_lightning.train import main
+
     main()

@@ -10,6 +10,8 @@ import torch
 
 from navit_lightning.batch import PackedBatch
 from navit_lightning.data.datamodule import PackedImageDataModule
+from navit_lightning.data.workers import WORKER_MODULES
+from tests.conftest import REPO
 
 
 def test_train_and_val_folders_are_used_as_given(project_root):
@@ -148,6 +150,27 @@ def test_loader_workers_end_with_a_training_process_killed_by_sigkill(project_ro
     while (alive := [pid for pid in left if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive, [Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in alive]
+
+
+def test_loader_workers_and_their_server_start_without_importing_lightning(project_root):
+    """The forkserver imports WORKER_MODULES and runs the entry script (as __mp_main__); a
+    worker forked from it imports what its dataset, collate_fn and worker_init_fn are defined
+    in. Lightning in any of them would add ~2.5 s to the server's start, which every process
+    of a run waits for before its first batch, or to every loader's."""
+    datamodule = PackedImageDataModule(str(project_root / "data" / "shapes"), num_workers=1)
+    datamodule.setup("fit")
+    loader = datamodule.val_dataloader()
+    handed = (type(loader.dataset), type(loader.collate_fn), loader.worker_init_fn.func)
+    modules = [*WORKER_MODULES, *(thing.__module__ for thing in handed)]
+    scripts = [str(REPO / f"{name}.py") for name in ("train", "eval", "predict")]
+    code = (
+        f"import runpy, sys; import {', '.join(modules)}; "
+        f"[runpy.run_path(script, run_name='__mp_main__') for script in {scripts}]; "
+        "print(sorted(m for m in sys.modules if m.startswith('lightning')))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"
 
 
 class RecordBatches(L.LightningModule):

@@ -11,7 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from navit_lightning.batch import PackedShape
@@ -30,9 +30,11 @@ from navit_lightning.data.index import Manifest, index_folder, manifest_path
 from navit_lightning.data.packing import PackCollate
 from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
 from navit_lightning.data.shards import load_shards, shard_classes
-from navit_lightning.data.workers import start_context
+from navit_lightning.data.workers import exit_with_process, start_context
 from navit_lightning.errors import DataError
-from navit_lightning.utils.shutdown import exit_with_process
+
+# Every rank reads the same lists of files: rank zero names the unreadable ones.
+warn_unreadable_on_rank_zero = rank_zero_only(warn_unreadable)
 
 
 class TrainLoader(DataLoader):
@@ -165,7 +167,7 @@ class PackedImageDataModule(L.LightningDataModule):
         if stage == "predict":
             numbered = [(path, number) for number, path in enumerate(self.predict_paths)]
             images, unreadable = images_of_files(numbered, workers=os.cpu_count() or 1)
-            warn_unreadable(unreadable)
+            warn_unreadable_on_rank_zero(unreadable)
             if not len(images.labels):
                 raise DataError(
                     f"none of the {len(numbered)} input file(s) is a readable image (named above)"
@@ -179,7 +181,7 @@ class PackedImageDataModule(L.LightningDataModule):
         splits = {}
         for folder in split_folders(top_level):
             images, unreadable = split_images(manifest, self.root, folder, classes)
-            warn_unreadable(unreadable)
+            warn_unreadable_on_rank_zero(unreadable)
             if unreadable:
                 rank_zero_warn(
                     f"{folder or 'train'}: left out {len(unreadable)} unreadable files (named above)"

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from PIL import Image
 from torch.utils.data import Dataset
 
@@ -143,9 +142,8 @@ def images_of_files(items: list[tuple[Path, int]], workers: int = 1) -> tuple[Im
 
 
 def warn_unreadable(unreadable: Unreadable) -> None:
-    if rank_zero_only.rank == 0:  # every rank reads the same list
-        for path, why in unreadable:
-            log.warning("skipping %s: not a readable image (%s)", path, why)
+    for path, why in unreadable:
+        log.warning("skipping %s: not a readable image (%s)", path, why)
 
 
 FLIP_BITS = (1 << 24) - 1

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
+import select
+import sys
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import suppress
 from multiprocessing.context import BaseContext
 from typing import TypeVar
 
@@ -13,18 +19,54 @@ from rich.progress import Progress
 Item = TypeVar("Item")
 Result = TypeVar("Result")
 
-# Imported once by the forkserver, before its first fork: without it every process started
-# from it imports torch and the data code itself (~2 s each). One list for every user of the
-# server, which is started once per process: whoever starts it first decides what it holds.
-FORKSERVER_PRELOAD = ["navit_lightning.data.folder", "navit_lightning.data.packing"]
+# The code a loader worker runs, imported once by the forkserver before its first fork so that
+# no worker imports it again (~1 s each). Lightning stays out of it: it would add ~2.5 s to
+# the start of the server, which every process of a run waits for before its first batch.
+WORKER_MODULES = [
+    "navit_lightning.data.folder",
+    "navit_lightning.data.packing",
+    "navit_lightning.data.workers",
+]
+
+
+def forkserver_preload() -> list[str]:
+    """What the forkserver imports before its first fork: WORKER_MODULES and the main module.
+    multiprocessing runs the main module again in every process started from the server
+    unless the server has it: a script by its path ('__main__'), `python -m X` by X's name.
+    One list for every user of the server, started once per process: whoever starts it
+    first decides what it holds."""
+    spec = sys.modules["__main__"].__spec__
+    main = [spec.name] if spec and not spec.name.endswith("__main__") else []
+    return ["__main__", *WORKER_MODULES, *main]
 
 
 def start_context(method: str | None) -> BaseContext:
     """The multiprocessing context of `method` (None: the platform's default)."""
     context = multiprocessing.get_context(method)
     if method == "forkserver":
-        context.set_forkserver_preload(FORKSERVER_PRELOAD)
+        context.set_forkserver_preload(forkserver_preload())
     return context
+
+
+def exit_with_process(pid: int, worker_id: int) -> None:
+    """A DataLoader `worker_init_fn` (bind `pid` with functools.partial): the worker ends when
+    the training process `pid` does. torch's workers watch their parent, which under the
+    forkserver start method is the server; the server ends only when its children have, so a
+    training process killed with SIGKILL would leave both behind for good (it did, holding
+    the run's output pipes open)."""
+    threading.Thread(target=_exit_after, args=(pid,), name="exit-with-training-process", daemon=True).start()
+
+
+def _exit_after(pid: int) -> None:
+    if hasattr(os, "pidfd_open"):  # Linux: woken when the process ends
+        with suppress(ProcessLookupError):
+            select.select([os.pidfd_open(pid)], [], [])
+    else:
+        with suppress(ProcessLookupError):
+            while True:
+                os.kill(pid, 0)
+                time.sleep(1.0)
+    os._exit(0)
 
 
 def map_with_progress(

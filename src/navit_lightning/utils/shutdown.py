@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import select
 import signal
 import threading
 import time
@@ -75,27 +74,6 @@ def _watch(read_fd: int, grace_s: float) -> None:
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     os._exit(128 + signum)
-
-
-def exit_with_process(pid: int, worker_id: int) -> None:
-    """A DataLoader `worker_init_fn` (bind `pid` with functools.partial): the worker ends when
-    the training process `pid` does. torch's workers watch their parent, which under the
-    forkserver start method is the server; the server ends only when its children have, so a
-    training process killed with SIGKILL would leave both behind for good (it did, holding
-    the run's output pipes open)."""
-    threading.Thread(target=_exit_after, args=(pid,), name="exit-with-training-process", daemon=True).start()
-
-
-def _exit_after(pid: int) -> None:
-    if hasattr(os, "pidfd_open"):  # Linux: woken when the process ends
-        with suppress(ProcessLookupError):
-            select.select([os.pidfd_open(pid)], [], [])
-    else:
-        with suppress(ProcessLookupError):
-            while True:
-                os.kill(pid, 0)
-                time.sleep(1.0)
-    os._exit(0)
 
 
 def descendants(pid: int) -> list[int]:
