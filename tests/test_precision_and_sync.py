@@ -3,9 +3,10 @@
 import hydra
 import pytest
 import torch
+from hydra.core.hydra_config import HydraConfig
 from lightning.fabric.accelerators import cuda as fabric_cuda
 from lightning.pytorch.accelerators import CUDAAccelerator
-from omegaconf import open_dict
+from omegaconf import open_dict, read_write
 
 from tests.conftest import TINY_RUN
 from tests.test_configs import compose_train
@@ -51,3 +52,21 @@ def test_precisions_and_the_batchnorm_head_train_on_cpu(run_entry_point, overrid
     assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
     if "model.head=bn_mlp" in overrides:
         assert state["head.1.num_batches_tracked"] > 0 and state["head.1.running_mean"].abs().sum() > 0
+
+
+def test_ddp_spawn_ranks_take_the_float32_matmul_precision_of_the_launching_process(tmp_path, project_root):
+    """train.py sets "high" (TF32 matmuls on a GPU) in the launching process; ddp_spawn's ranks
+    are fresh interpreters, to which Lightning hands only its own global state."""
+    overrides = ["strategy=ddp_spawn", "trainer.accelerator=cpu", "trainer.devices=2"]
+    cfg = compose_train(overrides, tmp_path, project_root)
+    with read_write(cfg.hydra), open_dict(cfg.hydra):  # the ranks' log file: a run sets it
+        cfg.hydra.runtime.output_dir = str(tmp_path)
+    HydraConfig().set_config(cfg)
+    trainer = hydra.utils.instantiate(cfg.trainer, logger=False, callbacks=[])
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium")  # neither torch's default nor train.py's
+        ranks_precision = trainer.strategy.launcher.launch(torch.get_float32_matmul_precision)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert ranks_precision == "medium"

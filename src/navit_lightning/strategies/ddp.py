@@ -6,7 +6,8 @@ of its own in another folder (Lightning issue 11300). Here the children get this
 overrides and its output folder, and leave the .hydra folder and the log file to rank 0.
 
 ddp_spawn's processes start with Python's default logging, so what rank 0 logs during fit
-would miss the run's log file: they get the job's logging config back.
+would miss the run's log file: they get the job's logging config back, and the launching
+process's float32 matmul precision (train.py's TF32), which Lightning does not carry over.
 
 Every process destroys its process group at exit: Lightning does so for NCCL only, and a
 gloo group left to the interpreter's exit aborts a process now and then ("terminate called
@@ -22,11 +23,13 @@ from __future__ import annotations
 import atexit
 import logging.config
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import torch
 import torch.distributed
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_original_cwd, to_absolute_path
@@ -73,7 +76,14 @@ class _HydraLoggingSpawnLauncher(_MultiProcessingLauncher):
         super().__init__(strategy, start_method=start_method)
         self._job_logging = OmegaConf.to_container(HydraConfig.get().job_logging, resolve=True)
 
+    def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        # Lightning hands its ranks its own global state only (_GlobalStateSnapshot): without
+        # this they would run float32 matmuls without the TF32 that train.py asks for
+        self._float32_matmul_precision = torch.get_float32_matmul_precision()
+        return super().launch(function, *args, **kwargs)
+
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        torch.set_float32_matmul_precision(self._float32_matmul_precision)
         job_logging = dict(self._job_logging)
         if process_idx > 0:  # the console only: the log file is rank 0's
             job_logging["handlers"] = {k: v for k, v in job_logging["handlers"].items() if k != "file"}
