@@ -35,7 +35,8 @@ def forkserver_preload() -> list[str]:
     unless the server has it: a script by its path ('__main__'), `python -m X` by X's name.
     One list for every user of the server, started once per process: whoever starts it
     first decides what it holds."""
-    spec = sys.modules["__main__"].__spec__
+    spec = getattr(sys.modules["__main__"], "__spec__", None)  # a shell's may be no module
+    # a package's __main__ (python -m pytest) multiprocessing never runs again
     main = [spec.name] if spec and not spec.name.endswith("__main__") else []
     return ["__main__", *WORKER_MODULES, *main]
 
