@@ -1,3 +1,4 @@
+import os
 import shutil
 import signal
 import subprocess
@@ -11,7 +12,7 @@ import torch
 from navit_lightning.batch import PackedBatch
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.data.workers import WORKER_MODULES
-from tests.conftest import REPO
+from tests.conftest import REPO, TINY_RUN
 
 
 def test_train_and_val_folders_are_used_as_given(project_root):
@@ -171,6 +172,16 @@ def test_loader_workers_and_their_server_start_without_importing_lightning(proje
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+def test_a_module_main_starts_its_loader_workers_without_a_warning(project_root):
+    """`python -m X` is run again by every worker: a server holding X itself would have
+    runpy warn at each worker's start (forkserver_preload)."""
+    command = [sys.executable, "-m", "navit_lightning.bench.data_loading", *TINY_RUN, "data.num_workers=1"]
+    env = {**os.environ, "PROJECT_ROOT": str(project_root)}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "loader:" in result.stdout and "RuntimeWarning" not in result.stderr, result.stderr[-2000:]
 
 
 class RecordBatches(L.LightningModule):
