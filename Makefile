@@ -23,8 +23,12 @@ setup: $(VENV)/.installed
 train: setup
 	$(BIN)/python train.py $(ARGS)
 
+# Two test processes with one OpenMP thread each: a test is mostly process start-up and Python,
+# and two processes of two threads each on 2 cores spin against each other. TEST_WORKERS=0: serial.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(BIN)/python -m pytest $(ARGS)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(ARGS)
 
 lint: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" pre-commit run --all-files
