@@ -23,9 +23,10 @@ setup: $(VENV)/.installed
 train: setup
 	$(BIN)/python train.py $(ARGS)
 
-# Two test processes with one OpenMP thread each: a test is mostly process start-up and Python,
-# and two processes of two threads each on 2 cores spin against each other. TEST_WORKERS=0: serial.
-TEST_WORKERS ?= 2
+# Three test processes (pytest-xdist) with one OpenMP thread each, on 2 cores: a test is
+# mostly the start-up of train.py processes and waits between them, which a third worker fills;
+# two threads per process would spin against each other. TEST_WORKERS=0 runs them serially.
+TEST_WORKERS ?= 3
 
 test: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal $(ARGS)
