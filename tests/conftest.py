@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,12 @@ TINY_TRAINING = [
     "trainer.log_every_n_steps=1",
 ]
 TINY_RUN = TINY_SHAPES + TINY_TRAINING
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def logged_scalars(events: Path) -> dict[str, list[tuple[int, float]]]:

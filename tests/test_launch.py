@@ -1,21 +1,15 @@
 """Processes started by torchrun or SLURM agree on one run folder and one log writer."""
 
 import os
-import socket
 from datetime import datetime, timedelta
 
 import pytest
 import torch
 
 from navit_lightning.utils import launch
+from tests.conftest import free_port
 
 PATTERN = "%Y-%m-%d_%H-%M-%S"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_env(monkeypatch, rank: int, port: int) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, TINY_SHAPES
+from tests.conftest import REPO, TINY_SHAPES, free_port
 from tests.test_entry_points import assert_sane_rates, assert_written_once_by_rank_zero
 
 pytestmark = pytest.mark.slow
@@ -51,12 +50,6 @@ def readme_commands(text: str) -> list[str]:
 
 
 COMMANDS = readme_commands((REPO / "README.md").read_text())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def as_run_here(command: str, run: str, images: Path) -> tuple[str, Path | None]:

@@ -14,8 +14,10 @@ gloo group left to the interpreter's exit aborts a process now and then ("termin
 without an active exception", SIGABRT; 2 of 40 spawned pairs in a plain torch script, 0 of
 120 once destroyed), failing a ddp_spawn run between two of its stages.
 
-Every rank waits at most `collective_timeout_s` in a collective (torch's default: 30 minutes)
-and ends within seconds of SIGTERM/SIGINT (utils/shutdown.py).
+Every rank waits at most `startup_timeout_s` for the others to join (torchrun's join timeout),
+then at most `collective_timeout_s` in a collective (torch's default: 30 minutes), and ends
+within seconds of SIGTERM/SIGINT (utils/shutdown.py). Lightning gives torch one timeout for
+both, so a short collective timeout failed runs whose ranks took longer than it to start.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from omegaconf import OmegaConf
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 import __main__
 from navit_lightning.utils.entry_point import tidy_lightning_output
@@ -96,15 +99,20 @@ class _HydraLoggingSpawnLauncher(_MultiProcessingLauncher):
 
 class HydraDDPStrategy(DDPStrategy):
     """DDPStrategy whose ranks run as the current Hydra job: `popen` children rerun the job
-    (also in multirun), `spawn` processes log as the job does; a collective that waits longer
-    than `collective_timeout_s` fails."""
+    (also in multirun), `spawn` processes log as the job does; joining takes at most
+    `startup_timeout_s`, and a collective that waits longer than `collective_timeout_s` fails."""
 
-    def __init__(self, collective_timeout_s: float = 300.0, **kwargs: Any) -> None:
-        super().__init__(timeout=timedelta(seconds=collective_timeout_s), **kwargs)
+    def __init__(
+        self, collective_timeout_s: float = 300.0, startup_timeout_s: float = 600.0, **kwargs: Any
+    ) -> None:
+        super().__init__(timeout=timedelta(seconds=startup_timeout_s), **kwargs)
         self.collective_timeout_s = collective_timeout_s
+        self.startup_timeout_s = startup_timeout_s
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
+        # torch has no public way to set a process group's timeout after it was created
+        _set_pg_timeout(timedelta(seconds=self.collective_timeout_s))
         atexit.unregister(_destroy_process_group)  # once per process, however many stages
         atexit.register(_destroy_process_group)
 

@@ -4,7 +4,8 @@ Two ways a run used to hang for good:
 - A rank waits in a collective that another rank never enters. torch's process-group timeout
   (`trainer.strategy.collective_timeout_s`, configs/strategy/ddp.yaml) turns that wait into an
   error; `explain_collective_failure` turns the error into one line naming the rank and the
-  hook, and exit code 3.
+  hook, and exit code 3. Ranks that do not all join in `trainer.strategy.startup_timeout_s`
+  end the same way, with a line that says so.
 - A signal is ignored. Python runs a signal handler only between bytecodes of the main
   thread, so a rank blocked in a collective never runs Lightning's SIGTERM handler (which
   forwards the signal to the other ranks), and the parent of ddp_spawn ranks died without
@@ -26,6 +27,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import lightning as L
+import torch.distributed
 
 log = logging.getLogger("navit_lightning")
 
@@ -96,6 +98,14 @@ def descendants(pid: int) -> list[int]:
 # What gloo raises when a collective times out, and when a peer rank is gone mid-collective.
 TIMED_OUT = "Timed out"
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+# What torch's store raises when the ranks do not all join: on rank 0, which serves it, and
+# on the others, which connect to it.
+NOT_JOINED = ("waiting for clients", "while trying to connect to")
+
+
+def is_joining_failure(error: BaseException) -> bool:
+    """The ranks did not all join the process group in time."""
+    return isinstance(error, torch.distributed.DistError) and any(s in str(error) for s in NOT_JOINED)
 
 
 def is_collective_failure(error: BaseException) -> bool:
@@ -108,10 +118,20 @@ def is_collective_failure(error: BaseException) -> bool:
 
 @contextmanager
 def explain_collective_failure(trainer: L.Trainer) -> Iterator[None]:
-    """A collective that timed out or lost its peer becomes one line and exit code 3."""
+    """A collective that timed out or lost its peer, or ranks that did not all join, become
+    one line and exit code 3."""
     try:
         yield
     except RuntimeError as error:
+        if is_joining_failure(error):
+            timeout = getattr(trainer.strategy, "startup_timeout_s", None)
+            log.error(
+                f"error: rank {trainer.global_rank}: the {trainer.world_size} ranks did not all join"
+                + (f" within {timeout:.0f} s" if timeout else "")
+                + f" ({error}): start every node's command with the same trainer.num_nodes, "
+                "MASTER_ADDR and MASTER_PORT, or raise trainer.strategy.startup_timeout_s"
+            )
+            raise SystemExit(3) from None
         if not is_collective_failure(error):
             raise
         message = str(error)
