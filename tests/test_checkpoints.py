@@ -163,3 +163,41 @@ def test_a_run_killed_mid_epoch_resumes_exactly(run_entry_point, ranks):
     assert ends[0]["global_step"] == ends[1]["global_step"] == len(expected)
     assert ends[0]["state_dict"].keys() == ends[1]["state_dict"].keys()
     assert all(torch.equal(ends[0]["state_dict"][k], ends[1]["state_dict"][k]) for k in ends[0]["state_dict"])
+
+
+@pytest.mark.slow
+def test_a_run_killed_in_a_later_epoch_resumes_exactly(run_entry_point):
+    """The train loader is rebuilt at every epoch (trainer.reload_dataloaders_every_n_epochs):
+    killed in epoch 1 after its checkpoint at step 10 (epoch 0 has 8 batches), the resumed
+    run goes on from that batch of that epoch, with the losses of the run never stopped."""
+    command = [
+        *TINY_RUN,
+        "trainer.max_epochs=2",
+        "test=false",
+        "patch_budgets=null",
+        "callbacks.resume_checkpoint.every_n_train_steps=2",
+        "callbacks.resume_checkpoint.train_time_interval=null",
+    ]
+    whole, stopped = run_entry_point.root / "whole", run_entry_point.root / "stopped"
+    run_entry_point("train.py", *command, f"hydra.run.dir={whole}")
+    expected = logged_scalars(whole / "tensorboard")
+    assert expected["train/loss_epoch"][0][0] == 7  # epoch 0: 8 batches
+    killed = run_entry_point(
+        "train.py",
+        *command,
+        f"hydra.run.dir={stopped}",
+        "+callbacks.interrupt._target_=tests.interruptions.InterruptAtStep",
+        "+callbacks.interrupt.step=11",
+        "+callbacks.interrupt.how=sigkill",
+        check=False,
+    )
+    assert killed.returncode == -signal.SIGKILL
+    assert torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 10
+    first_events = set((stopped / "tensorboard").iterdir())
+    run_entry_point("train.py", *command, f"hydra.run.dir={stopped}", "ckpt_path=last")
+    resumed = [
+        value
+        for events in sorted(set((stopped / "tensorboard").iterdir()) - first_events)
+        for value in logged_scalars(events).get("train/loss_step", [])
+    ]
+    assert resumed == [(step, loss) for step, loss in expected["train/loss_step"] if step >= 10]

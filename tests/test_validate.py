@@ -34,6 +34,7 @@ def config(*overrides: str):
         (2, ["model.net.attention=varlen"], "needs bf16 or fp16 but trainer.precision=32-true"),
         (0, ["model.net.attention=flex"], "flex cannot train on CPU"),
         (0, ["~logger"], "callbacks.learning_rate_monitor needs a logger: with ~logger add"),
+        (0, ["trainer.reload_dataloaders_every_n_epochs=0"], "so it must rebuild it every epoch: keep 1"),
         (0, ["patch_budgets=[16,0]"], "must be a list of positive patch counts, e.g. patch_budgets="),
         (0, ["patch_budgets=36"], "must be a list of positive patch counts"),
         (

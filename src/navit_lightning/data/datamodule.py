@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,15 @@ class TrainLoader(DataLoader):
     def __init__(self, *args: Any, batches_done: Callable[[], int], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.batches_done = batches_done
+
+    def __iter__(self) -> Iterator[Any]:
+        # Lightning calls iter() twice on a loader it builds after the first epoch (FitLoop.
+        # setup_data, then the epoch loop's start) and drops the first iterator. Started at
+        # once, its workers would decode batches for nothing, and count their failures twice.
+        def started_at_first_batch() -> Iterator[Any]:
+            yield from super(TrainLoader, self).__iter__()
+
+        return started_at_first_batch()
 
     def state_dict(self) -> dict[str, Any]:
         return self.batch_sampler.position(self.batches_done())
@@ -129,6 +138,7 @@ class PackedImageDataModule(L.LightningDataModule):
         self.predict_paths: list[Path] = []
         self._indexed = False
         self._train_position: dict[str, Any] | None = None  # from a checkpoint, for train_dataloader
+        self._reported = False  # the effective batch, printed with the first train loader
 
     @property
     def num_classes(self) -> int:
@@ -278,10 +288,14 @@ class PackedImageDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         loader = self._loader("train")
+        if self.trainer:  # its length is the coming epoch's: Lightning reads it before set_epoch
+            loader.batch_sampler.sampler.set_epoch(self.trainer.current_epoch)
         if self._train_position is not None:
             loader.load_state_dict(self._train_position)
             self._train_position = None
-        self._report_effective_batch(loader.batch_sampler)
+        if not self._reported:
+            self._report_effective_batch(loader.batch_sampler)
+            self._reported = True
         return loader
 
     # The training position is saved twice: in the loader's state, as Lightning asks, and

@@ -53,6 +53,12 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
         )
     if is_dp(trainer.strategy):
         check_dp(cfg, on_gpu)
+    if trainer.get("reload_dataloaders_every_n_epochs", 1) != 1:
+        raise ConfigError(
+            f"trainer.reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs}: "
+            "an epoch's packed batches vary in number and Lightning counts them when it builds the "
+            "loader, so it must rebuild it every epoch: keep 1"
+        )
     check_patch_budgets(cfg.get("patch_budgets"))
     if training:
         check_fused_optimizer(cfg)
