@@ -2,6 +2,7 @@
 ckpt_path=last."""
 
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -109,6 +110,29 @@ def test_eval_refuses_a_missing_checkpoint_with_one_line(run_entry_point):
     assert f"error: ckpt_path={missing} does not exist" in refused.stdout + refused.stderr
 
 
+def kill_at_step(run_entry_point, command: list[str], folder: Path, step: int) -> None:
+    """Run train.py with `command` in `folder` and SIGKILL it at training step `step`."""
+    killed = run_entry_point(
+        "train.py",
+        *command,
+        f"hydra.run.dir={folder}",
+        "+callbacks.interrupt._target_=tests.interruptions.InterruptAtStep",
+        f"+callbacks.interrupt.step={step}",
+        "+callbacks.interrupt.how=sigkill",
+        check=False,
+    )
+    assert killed.returncode == -signal.SIGKILL
+
+
+def losses_logged_since(folder: Path, events_before: set[Path]) -> list[tuple[int, float]]:
+    """train/loss_step of the event files in `folder`/tensorboard not in `events_before`."""
+    return [
+        value
+        for events in sorted(set((folder / "tensorboard").iterdir()) - events_before)
+        for value in logged_scalars(events).get("train/loss_step", [])
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "ranks", [[], ["trainer.accelerator=cpu", "trainer.devices=2", "strategy=ddp"]], ids=["1", "ddp2"]
@@ -128,16 +152,7 @@ def test_a_run_killed_mid_epoch_resumes_exactly(run_entry_point, ranks):
     ]
     whole, stopped = run_entry_point.root / "whole", run_entry_point.root / "stopped"
     run_entry_point("train.py", *command, f"hydra.run.dir={whole}")
-    killed = run_entry_point(
-        "train.py",
-        *command,
-        f"hydra.run.dir={stopped}",
-        "+callbacks.interrupt._target_=tests.interruptions.InterruptAtStep",
-        "+callbacks.interrupt.step=3",
-        "+callbacks.interrupt.how=sigkill",
-        check=False,
-    )
-    assert killed.returncode == -signal.SIGKILL
+    kill_at_step(run_entry_point, command, stopped, 3)
     assert torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
     first_events = set((stopped / "tensorboard").iterdir())
     if not ranks:  # another batch shape plans other batches: refused, last.ckpt kept
@@ -152,11 +167,7 @@ def test_a_run_killed_mid_epoch_resumes_exactly(run_entry_point, ranks):
         first_events = set((stopped / "tensorboard").iterdir())
     run_entry_point("train.py", *command, f"hydra.run.dir={stopped}", "ckpt_path=last")
 
-    resumed = [
-        value
-        for events in sorted(set((stopped / "tensorboard").iterdir()) - first_events)
-        for value in logged_scalars(events).get("train/loss_step", [])
-    ]
+    resumed = losses_logged_since(stopped, first_events)
     expected = logged_scalars(whole / "tensorboard")["train/loss_step"]
     assert len(expected) >= 4 and resumed == [(step, loss) for step, loss in expected if step >= 2]
     ends = [torch.load(run / "checkpoints" / "last.ckpt", weights_only=True) for run in (whole, stopped)]
@@ -182,22 +193,9 @@ def test_a_run_killed_in_a_later_epoch_resumes_exactly(run_entry_point):
     run_entry_point("train.py", *command, f"hydra.run.dir={whole}")
     expected = logged_scalars(whole / "tensorboard")
     assert expected["train/loss_epoch"][0][0] == 7  # epoch 0: 8 batches
-    killed = run_entry_point(
-        "train.py",
-        *command,
-        f"hydra.run.dir={stopped}",
-        "+callbacks.interrupt._target_=tests.interruptions.InterruptAtStep",
-        "+callbacks.interrupt.step=11",
-        "+callbacks.interrupt.how=sigkill",
-        check=False,
-    )
-    assert killed.returncode == -signal.SIGKILL
+    kill_at_step(run_entry_point, command, stopped, 11)
     assert torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 10
     first_events = set((stopped / "tensorboard").iterdir())
     run_entry_point("train.py", *command, f"hydra.run.dir={stopped}", "ckpt_path=last")
-    resumed = [
-        value
-        for events in sorted(set((stopped / "tensorboard").iterdir()) - first_events)
-        for value in logged_scalars(events).get("train/loss_step", [])
-    ]
+    resumed = losses_logged_since(stopped, first_events)
     assert resumed == [(step, loss) for step, loss in expected["train/loss_step"] if step >= 10]
