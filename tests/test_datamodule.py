@@ -12,6 +12,7 @@ import torch
 from navit_lightning.batch import PackedBatch
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.data.workers import WORKER_MODULES
+from navit_lightning.utils.shutdown import descendants
 from tests.conftest import REPO, TINY_RUN
 
 
@@ -191,19 +192,22 @@ class RecordBatches(L.LightningModule):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(()))
         self.seen: list[tuple[int, PackedBatch]] = []
+        self.processes: list[tuple[int, frozenset[int]]] = []  # (epoch, this process's descendants)
 
     def training_step(self, batch: PackedBatch, batch_idx: int) -> torch.Tensor:
         self.seen.append((self.current_epoch, batch))
+        self.processes.append((self.current_epoch, frozenset(descendants(os.getpid()))))
         return self.weight * 0
+
+    def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
+        pass
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_overfit_batches_sees_the_same_batches_every_epoch(project_root):
-    """Lightning turns shuffling off for overfit_batches by swapping a loader's sampler; ours
-    shuffles inside its batch sampler, where Lightning does not look (it sees the loader's
-    SequentialSampler and says nothing), so the datamodule turns it off itself."""
+def train_three_epochs(project_root: Path, num_workers: int, **trainer_options) -> RecordBatches:
+    """Three epochs of RecordBatches on the tiny shapes set's packed batches, in this process."""
     datamodule = PackedImageDataModule(
         str(project_root / "data" / "shapes"),
         patch_size=16,
@@ -211,22 +215,41 @@ def test_overfit_batches_sees_the_same_batches_every_epoch(project_root):
         rows=4,
         row_len=64,
         hflip=0.0,
-        num_workers=0,
+        num_workers=num_workers,
     )
     model = RecordBatches()
     trainer = L.Trainer(
         accelerator="cpu",
-        overfit_batches=2,
         max_epochs=3,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        limit_val_batches=0,
+        **trainer_options,
     )
     trainer.fit(model, datamodule=datamodule)
+    return model
+
+
+def test_overfit_batches_sees_the_same_batches_every_epoch(project_root):
+    """Lightning turns shuffling off for overfit_batches by swapping a loader's sampler; ours
+    shuffles inside its batch sampler, where Lightning does not look (it sees the loader's
+    SequentialSampler and says nothing), so the datamodule turns it off itself."""
+    model = train_three_epochs(project_root, num_workers=0, overfit_batches=2, limit_val_batches=0)
     epochs = [[batch for epoch, batch in model.seen if epoch == e] for e in range(3)]
     assert [len(batches) for batches in epochs] == [2, 2, 2]
     assert_same_batches(epochs[1], epochs[0])
     assert_same_batches(epochs[2], epochs[0])
+
+
+def test_loader_workers_live_on_from_epoch_to_epoch(project_root):
+    """Lightning asks for the loaders again at every epoch (reload_dataloaders_every_n_epochs=1,
+    which recounts the train batches); handed the same loaders, their persistent workers go on,
+    where new loaders would start new workers at every epoch."""
+    model = train_three_epochs(project_root, num_workers=1, reload_dataloaders_every_n_epochs=1)
+    # From epoch 1 on, the server and every loader's worker are running.
+    later = {processes for epoch, processes in model.processes if epoch > 0}
+    assert len(later) == 1, later
+    (running,) = later
+    assert len(running) >= 3  # the forkserver, a train and a val worker

@@ -190,9 +190,10 @@ def measure(
         print(f"step benchmark: {name} {ms:.1f} ms", flush=True)  # amid Lightning's output
 
     record("bare_before", bare_step_ms(model, trainer, cfg, batches, warmup, steps))
-    loader = datamodule.train_dataloader()  # a fresh one: its workers start from the top
+    loader = datamodule.train_dataloader()  # the same loader, iterated from the epoch's start again
     record("bare_with_loader", bare_step_ms(model, trainer, cfg, loader, warmup, steps))
     del loader
+    datamodule.teardown("fit")  # its workers end before the Lightning runs
     clock = lightning_step(overrides, warmup, steps, sync_steps)
     record("lightning", clock.mean_ms())
     for site, per_step in clock.syncs_per_step().items():

@@ -48,9 +48,10 @@ class TrainLoader(DataLoader):
         self.batches_done = batches_done
 
     def __iter__(self) -> Iterator[Any]:
-        # Lightning calls iter() twice on a loader it builds after the first epoch (FitLoop.
-        # setup_data, then the epoch loop's start) and drops the first iterator. Started at
-        # once, its workers would decode batches for nothing, and count their failures twice.
+        # Lightning calls iter() twice at the start of every epoch after the first (FitLoop.
+        # setup_data, where it asks for the loaders again, then the epoch loop's start) and
+        # drops the first iterator. Started at once, the workers would decode batches for
+        # nothing, and count their failures twice.
         def started_at_first_batch() -> Iterator[Any]:
             yield from super(TrainLoader, self).__iter__()
 
@@ -139,6 +140,7 @@ class PackedImageDataModule(L.LightningDataModule):
         self._indexed = False
         self._train_position: dict[str, Any] | None = None  # from a checkpoint, for train_dataloader
         self._reported = False  # the effective batch, printed with the first train loader
+        self._loaders: dict[str, tuple[tuple, DataLoader]] = {}  # split -> (made for, loader)
 
     @property
     def num_classes(self) -> int:
@@ -250,7 +252,7 @@ class PackedImageDataModule(L.LightningDataModule):
         return PackedBatchSampler(
             self.datasets[split].sizes,
             self.process_shape(split),
-            self.train_policy if train else self.eval_policy,
+            self._policy(split),
             shuffle=train and not overfit,
             seed=self.seed,
             lookahead=self.lookahead,
@@ -259,6 +261,23 @@ class PackedImageDataModule(L.LightningDataModule):
         )
 
     def _loader(self, split: str) -> DataLoader:
+        """`split`'s loader, the same one while the trainer, the batch shape and the image sizes
+        are: Lightning asks for the loaders at every epoch (reload_dataloaders_every_n_epochs=1,
+        so that it recounts the train batches, which vary by epoch), and a loader kept keeps its
+        workers (persistent_workers) instead of starting new ones."""
+        made_for = (self.trainer, self.process_shape(split), self._policy(split))
+        kept = self._loaders.get(split)
+        if kept is None or kept[0] != made_for:
+            kept = self._loaders[split] = (made_for, self._new_loader(split))
+        return kept[1]
+
+    def teardown(self, stage: str) -> None:
+        self._loaders.clear()  # their workers end with them
+
+    def _policy(self, split: str) -> SizePolicy:
+        return self.train_policy if split == "train" else self.eval_policy
+
+    def _new_loader(self, split: str) -> DataLoader:
         workers = self._num_workers()
         context = start_context(self.multiprocessing_context) if workers else None
         options: dict[str, Any] = dict(
