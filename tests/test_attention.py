@@ -53,7 +53,9 @@ def features_and_grads(backend: str, batch: PackedBatch, device: str, dtype: tor
         features = net(batch)[batch.image_slots]
     if grads:
         features.double().pow(2).sum().backward()
-    return features.double().cpu(), {n: p.grad.double().cpu() for n, p in net.named_parameters() if grads}
+    return features.detach().double().cpu(), {
+        n: p.grad.double().cpu() for n, p in net.named_parameters() if grads
+    }
 
 
 def errors(result, reference) -> tuple[float, float]:
