@@ -115,3 +115,30 @@ def test_segment_groups_shares_the_host_time_out_over_the_sdpa_calls():
     assert f"{6 * groups:.1f} ms a step, is at most 2000 us per group and layer" in line
     # nothing to say when the profiled case was another backend
     assert attention.segment_groups("navit_tiny", arch, cases, {"sdpa (256)": profiled}) == []
+
+
+def test_the_targets_are_judged_on_the_median_step_and_show_how_far_the_rounds_moved():
+    from navit_lightning.bench import attention
+
+    def timed(layout: str, backend: str, row_len: int, rounds: list[float], share: float) -> attention.Result:
+        median = sorted(rounds)[len(rounds) // 2]
+        return attention.Result(
+            "navit_tiny", layout, backend, False, row_len, 10, 1000, step_ms=median,
+            patches_per_s=1000 / (median / 1000), images_per_s=10 / (median / 1000), tflops=1e-3,
+            matmul_share=share, round_ms=rounds,
+        )  # fmt: skip
+
+    ours = timed("packed", "segments", 512, [100.0, 110.0, 90.0], share=0.6)
+    peer = timed("peer", "vit-pytorch", 256, [150.0, 150.0, 150.0], share=0.4)
+    lines = attention.summary([ours, peer])
+    assert (
+        "navit_tiny: best packed (segments) 1.50x the real patches/s of vit-pytorch at its best "
+        "(rows of 256 tokens; 1.36x..1.67x round by round); target 1.5x: met"
+    ) in lines
+    assert (
+        "navit_tiny: best share of the matmul probe 60%; 55%..67% round by round (target 75%: NOT met)"
+        in lines
+    )
+    # one round: nothing to range over
+    single = [timed("packed", "segments", 512, [100.0], 0.6), timed("peer", "vit-pytorch", 256, [140.0], 0.4)]
+    assert "(rows of 256 tokens); target 1.5x: NOT met" in attention.summary(single)[0]
