@@ -178,7 +178,7 @@ def test_a_run_killed_mid_epoch_resumes_exactly(run_entry_point, ranks):
 
 @pytest.mark.slow
 def test_a_run_killed_in_a_later_epoch_resumes_exactly(run_entry_point):
-    """The train loader is rebuilt at every epoch (trainer.reload_dataloaders_every_n_epochs):
+    """Lightning asks for the train loader at every epoch (trainer.reload_dataloaders_every_n_epochs):
     killed in epoch 1 after its checkpoint at step 10 (epoch 0 has 8 batches), the resumed
     run goes on from that batch of that epoch, with the losses of the run never stopped."""
     command = [
