@@ -24,14 +24,17 @@ def test_attention_benchmark_measures_every_layout_on_the_same_images(tmp_path, 
     out = tmp_path / "bench.json"
     argv = ["--models", "navit_tiny", "--tokens", "512", "--row-len", "256", "--steps", "1", "--no-compile"]
     backends = ["--backends", "sdpa", "segments", "--peers", "vit-pytorch", "--profile"]
-    monkeypatch.setattr(sys, "argv", ["bench", *argv, *backends, "--json", str(out)])
+    memory = ["--grad-checkpointing", "--memory"]
+    monkeypatch.setattr(sys, "argv", ["bench", *argv, *backends, *memory, "--json", str(out)])
     attention.main()
     report = json.loads(out.read_text())
     results = report["results"]
-    assert [(r["layout"], r["backend"], r["row_len"]) for r in results][:3] == [
+    assert [(r["layout"], r["backend"], r["row_len"]) for r in results][:5] == [
         ("packed", "sdpa", 256),
         ("packed", "segments", 256),
-        ("padded", "sdpa", results[2]["row_len"]),
+        ("checkpointed", "sdpa", 256),
+        ("checkpointed", "segments", 256),
+        ("padded", "sdpa", results[4]["row_len"]),
     ]
     for backend in ("sdpa", "segments"):
         scaling = [r["row_len"] for r in results if r["layout"] == "scaling" and r["backend"] == backend]
@@ -42,7 +45,15 @@ def test_attention_benchmark_measures_every_layout_on_the_same_images(tmp_path, 
     for compared in ("dense masked sdpa (eager)", "vit-pytorch at its best"):
         assert any(f"x the real patches/s of {compared}" in line for line in report["summary"]), compared
     assert len({r["images"] for r in results}) == 1  # every layout holds the same images
-    assert all(r["step_ms"] > 0 and r["matmul_share"] > 0 for r in results)
+    assert all(r["step_ms"] > 0 and r["matmul_share"] > 0 and r["peak_mib"] > 0 for r in results)
+    # --grad-checkpointing: the packed batch again, recomputed; in less memory (--memory)
+    for backend in ("sdpa", "segments"):
+        plain, checkpointed = (
+            next(r for r in results if r["layout"] == layout and r["backend"] == backend)
+            for layout in ("packed", "checkpointed")
+        )
+        assert checkpointed["peak_mib"] < plain["peak_mib"], backend
+        assert any(f"{backend} with grad checkpointing: " in line for line in report["summary"]), backend
     # --profile: the fastest packed case and the peer at its best, their parts making up the step
     profiles = report["profiles"]["navit_tiny"]
     assert [name.split(" ")[0] for name in profiles][1:] == ["vit-pytorch"]

@@ -75,13 +75,23 @@ def test_train_then_eval_reports_accuracy(run_entry_point):
     assert re.search(r"val accuracy: [0-9.]+", result.stdout + result.stderr)
 
 
-@pytest.mark.parametrize(("strategy", "devices"), [("ddp", 2), ("ddp", 4)], ids=["ddp", "ddp-4"])
-def test_ddp_on_cpu_with_the_default_callbacks(run_entry_point, strategy, devices):
+@pytest.mark.parametrize(
+    ("strategy", "devices", "model"),
+    [("ddp", 2, []), ("ddp", 4, ["model.net.grad_checkpointing=true"])],
+    ids=["ddp", "ddp-4-grad-checkpointing"],
+)
+def test_ddp_on_cpu_with_the_default_callbacks(run_entry_point, strategy, devices, model):
     """A whole epoch with validation, then the test, the progress bar and every default
     callback on: every rank enters every collective in the same order. ddp_spawn: the
-    README's command, checked alike by test_readme."""
+    README's command, checked alike by test_readme. With four ranks the blocks are also
+    recomputed in the backward (grad checkpointing), as a user short of memory trains."""
     result = run_entry_point(
-        "train.py", *TINY_RUN, f"strategy={strategy}", "trainer.accelerator=cpu", f"trainer.devices={devices}"
+        "train.py",
+        *TINY_RUN,
+        *model,
+        f"strategy={strategy}",
+        "trainer.accelerator=cpu",
+        f"trainer.devices={devices}",
     )
     output = result.stdout + result.stderr
     assert f"world size {devices}" in output and re.search(r"test/acc\s+│\s+[0-9.]+", output)

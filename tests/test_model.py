@@ -3,6 +3,7 @@ import torch
 from einops import rearrange
 
 from navit_lightning.batch import PackedBatch, PackedShape
+from navit_lightning.bench.profile import peak_host_bytes
 from navit_lightning.data.packing import pack
 from navit_lightning.models import NaViT
 from navit_lightning.models.navit import PatchEmbed
@@ -85,3 +86,19 @@ def test_absolute_positions_beyond_the_table_are_refused():
     batch = pack([make_sample(2, 6, label=0, seed=0)], SHAPE, PATCH_DIM)
     with pytest.raises(ValueError, match=r"raise model\.max_grid"):
         net(batch)
+
+
+@LAYOUTS
+def test_grad_checkpointing_gives_the_same_gradients_in_a_fraction_of_the_memory(attention):
+    """Each block keeps only its input and runs again in the backward: the same gradients,
+    and a lower peak of host memory over the forward and backward."""
+    samples = [make_sample(h, w, label=i, seed=i) for i, (h, w) in enumerate(GRIDS)]
+    batch = pack(samples, SHAPE, PATCH_DIM)
+    grads, peaks = [], []
+    for checkpointed in (False, True):
+        net = make_net(attention=attention, depth=4, grad_checkpointing=checkpointed).train()
+        peaks.append(peak_host_bytes(lambda net=net: net(batch)[batch.labels >= 0].pow(2).mean().backward()))
+        grads.append([p.grad for p in net.parameters()])
+    for grad, checkpointed_grad in zip(*grads, strict=True):
+        torch.testing.assert_close(checkpointed_grad, grad, atol=1e-6, rtol=1e-5)
+    assert peaks[1] < 0.6 * peaks[0], peaks

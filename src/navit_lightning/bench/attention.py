@@ -5,8 +5,8 @@ the machine's matmul rate.
     python -m navit_lightning.bench.attention [--models navit_tiny navit_small]
         [--set model.net.depth=6 ...] [--backends sdpa segments flex varlen]
         [--peers vit-pytorch timm] [--tokens 4096] [--sides 4 16] [--row-len 512] [--steps 5]
-        [--no-compile] [--bf16] [--largest BACKEND] [--profile] [--release-host-memory]
-        [--json FILE] [--markdown FILE]
+        [--no-compile] [--bf16] [--grad-checkpointing] [--memory] [--largest BACKEND]
+        [--profile] [--release-host-memory] [--json FILE] [--markdown FILE]
 
 One fixed, seeded workload of mixed-resolution images (`--sides` patches a side, aspect up
 to 2:1) is packed into `--tokens` tokens per step; every figure comes from this one run:
@@ -21,9 +21,12 @@ to 2:1) is packed into `--tokens` tokens per step; every figure comes from this 
   5. the machine's matmul rate, probed here, and each step's achieved model-FLOP rate
      (NaViT.train_flops: attention within images only) as a share of it, and of the
      device's nominal bf16 peak where known;
-  6. peak memory per step (CUDA only: torch's CPU allocator keeps no peak): the step's own
-     peak plus the network's parameters and optimizer state; with --largest, the most
-     tokens a step of that backend fits.
+  6. peak memory per step: the step's own peak plus the network's parameters and optimizer
+     state (on a CPU with --memory: one more step of each case under the profiler, which
+     records every allocation; torch's CPU allocator keeps no peak); with --largest, the
+     most tokens a step of that backend fits (CUDA);
+  7. with --grad-checkpointing, the packed batch again with every block recomputed in the
+     backward (model.net.grad_checkpointing): its cost in time and what it saves in memory.
 The cases of a model are timed in interleaved rounds (one step of each in turn), so that the
 machine's drifts hit them alike; a summary under the table states the comparisons. On a CPU
 the process keeps freed host memory as train.py's callbacks do, for every case and peer alike
@@ -49,7 +52,13 @@ import torch
 
 from navit_lightning.batch import PackedBatch, PackedShape
 from navit_lightning.bench import peers, train_config
-from navit_lightning.bench.profile import UNACCOUNTED, StepProfile, profile_step, profile_table
+from navit_lightning.bench.profile import (
+    UNACCOUNTED,
+    StepProfile,
+    peak_host_bytes,
+    profile_step,
+    profile_table,
+)
 from navit_lightning.data.packing import ImageSample, first_fit_decreasing, pack
 from navit_lightning.models import NaViT
 from navit_lightning.models.attention import SegmentsBackend, varlen_available
@@ -65,7 +74,7 @@ MATMUL_SHARE_TARGET = 0.75
 @dataclass
 class Result:
     model: str
-    layout: str  # packed | padded | scaling
+    layout: str  # packed | padded | scaling | checkpointed | peer
     backend: str
     compiled: bool
     row_len: int
@@ -225,10 +234,12 @@ class Case:
     peak_bytes: int = 0
 
 
-def measure_interleaved(cases: list[Case], device: torch.device, rounds: int, probe: MatmulProbe) -> None:
+def measure_interleaved(
+    cases: list[Case], device: torch.device, rounds: int, probe: MatmulProbe, host_memory: bool = False
+) -> None:
     """One warm-up step per case (compiles), then `rounds` rounds of the matmul probe and one
     step of every case in turn: the machine's drifts hit every case and the probe alike.
-    Figures from the median step."""
+    Figures from the median step; on a CPU with `host_memory`, the peak from one more step."""
     ready = []
     for case in cases:
         if case.trainer is None:  # could not be built here: its note says why
@@ -249,6 +260,9 @@ def measure_interleaved(cases: list[Case], device: torch.device, rounds: int, pr
                 step_peak = torch.cuda.max_memory_allocated(device) - resident
                 case.peak_bytes = max(case.peak_bytes, step_peak + case.trainer.state_bytes())
     for case in ready:
+        if device.type == "cpu" and host_memory:
+            peak = peak_host_bytes(lambda case=case: case.trainer.step(case.batch))
+            case.peak_bytes = peak + case.trainer.state_bytes()
         r, seconds = case.result, statistics.median(case.seconds)
         r.step_ms = 1000 * seconds
         r.round_ms = [1000 * s for s in case.seconds]
@@ -256,7 +270,7 @@ def measure_interleaved(cases: list[Case], device: torch.device, rounds: int, pr
         r.images_per_s = r.images / seconds
         r.tflops = case.flops / seconds / 1e12
         r.matmul_share = case.flops / seconds / probe.rate
-        r.peak_mib = case.peak_bytes / 2**20 if device.type == "cuda" else None
+        r.peak_mib = case.peak_bytes / 2**20 if case.peak_bytes else None
 
 
 def model_cases(
@@ -286,9 +300,11 @@ def model_cases(
         )
 
     def case(layout: str, backend: str, compiled: bool, batch: PackedBatch) -> Case:
-        key = (backend, compiled, layout if compiled else "")
+        checkpointed = layout == "checkpointed"
+        key = (backend, compiled, layout if compiled or checkpointed else "")
         if key not in trainers:
-            trainers[key] = make_trainer(arch, backend, compiled, device, autocast)
+            net_arch = {**arch, "grad_checkpointing": True} if checkpointed else arch
+            trainers[key] = make_trainer(net_arch, backend, compiled, device, autocast)
         return Case(
             result(layout, backend, compiled, batch.patches.shape[1], batch),
             trainers[key],
@@ -311,6 +327,8 @@ def model_cases(
     packed = packed_batch(samples, args.tokens, args.row_len, patch_dim)
     padded = padded_batch(samples, patch_dim)
     cases = [case("packed", b, c, packed) for b in backends for c in compile_modes]
+    if args.grad_checkpointing:
+        cases += [case("checkpointed", b, False, packed) for b in backends]
     cases += [case("padded", "sdpa", c, padded) for c in compile_modes]
     for row_len in ROW_LENGTHS:
         batch = packed_batch(samples, max(args.tokens, row_len), row_len, patch_dim)
@@ -362,6 +380,19 @@ def summary(results: list[Result], nominal_peak: float | None = None) -> list[st
                 f"{model}: best packed ({name}) {ratio:.2f}x the real patches/s of {peer} at its best "
                 f"(rows of {its_best.row_len} tokens{round_range(rounds, '{:.2f}x')}); "
                 f"target {PEER_TARGET}x: {verdict(ratio >= PEER_TARGET)}"
+            )
+        for checkpointed in (r for r in timed if r.layout == "checkpointed"):
+            plain = next((r for r in packed if r.backend == checkpointed.backend and not r.compiled), None)
+            if plain is None:
+                continue
+            memory = (
+                f", peak {plain.peak_mib:,.0f} -> {checkpointed.peak_mib:,.0f} MiB"
+                if plain.peak_mib and checkpointed.peak_mib
+                else ""
+            )
+            lines.append(
+                f"{model}: {plain.backend} with grad checkpointing: "
+                f"{checkpointed.step_ms / plain.step_ms:.2f}x the step time{memory}"
             )
         scaling = [r for r in timed if r.layout == "scaling"]
         for backend in dict.fromkeys(r.backend for r in scaling):
@@ -526,6 +557,14 @@ def main() -> None:
     parser.add_argument(
         "--bf16", action="store_true", help="bf16 autocast (a GPU, or a CPU with bf16 matrix units: AMX)"
     )
+    parser.add_argument(
+        "--grad-checkpointing",
+        action="store_true",
+        help="also the packed batch with every block recomputed in the backward",
+    )
+    parser.add_argument(
+        "--memory", action="store_true", help="on a CPU, each case's peak memory (one profiled step a case)"
+    )
     parser.add_argument("--largest", metavar="BACKEND", help="also find the most tokens a step fits (CUDA)")
     parser.add_argument(
         "--profile",
@@ -575,7 +614,7 @@ def main() -> None:
         print(
             f"{model}: {len(cases)} cases, {args.steps} interleaved rounds ...", file=sys.stderr, flush=True
         )
-        measure_interleaved(cases, device, args.steps, probe)
+        measure_interleaved(cases, device, args.steps, probe, args.memory)
         results += [case.result for case in cases]
         if args.profile and (named := profile_fastest(cases, device)):
             profiles[model] = named

@@ -1,9 +1,10 @@
 """Where a training step's milliseconds go: torch's profiler over a few steps, each op's own
 time summed into the parts of a ViT step (matmuls, attention, norms, GELU, layout copies,
 gathers, other elementwise work, the optimizer) plus what no op accounts for (Python, the
-autograd engine and dispatch on a CPU; an idle GPU on CUDA).
+autograd engine and dispatch on a CPU; an idle GPU on CUDA). And a step's peak host memory,
+which torch's CPU allocator does not keep, from the profiler's record of every allocation.
 
-The attention benchmark calls it (`--profile`) on each model's fastest packed case.
+The attention benchmark calls them (`--profile`, `--memory`).
 """
 
 from __future__ import annotations
@@ -91,3 +92,17 @@ def profile_step(step: Callable[[], None], device: torch.device, steps: int = 3)
         parts[part] = parts.get(part, 0.0) + own_us / 1000 / steps
     parts[UNACCOUNTED[device.type]] = max(0.0, wall_ms - sum(parts.values()))
     return StepProfile(wall_ms, parts)
+
+
+def peak_host_bytes(step: Callable[[], object]) -> int:
+    """The most bytes of CPU tensors that one call of `step` held at once beyond what was
+    held before it: the running sum of every op's own allocations and frees, in the order
+    the ops started."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    changes = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
+    held = peak = 0
+    for event in changes:
+        held += event.self_cpu_memory_usage
+        peak = max(peak, held)
+    return peak

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from navit_lightning.batch import PackedBatch
 from navit_lightning.errors import ConfigError
@@ -94,6 +95,7 @@ class NaViT(nn.Module):
         fractional_pos: bool = False,
         pool: str = "attention",
         attention: str = "auto",
+        grad_checkpointing: bool = False,
         pixel_mean: Sequence[float] = (0.5, 0.5, 0.5),
         pixel_std: Sequence[float] = (0.5, 0.5, 0.5),
     ) -> None:
@@ -102,6 +104,7 @@ class NaViT(nn.Module):
         self.patch_dim = patch_size * patch_size * channels
         self.mlp_hidden = int(dim * mlp_ratio)
         self.attention = check_backend_name(attention)
+        self.grad_checkpointing = grad_checkpointing
         self.patch_size = patch_size
         self.patch_embed = PatchEmbed(patch_size, channels, dim, pixel_mean, pixel_std)
         self.pos_embed = FactorizedPosEmbed(dim, max_grid, fractional_pos)
@@ -128,8 +131,15 @@ class NaViT(nn.Module):
         dump = rows * max_images  # the segment of every token that belongs to no image
         segments = backend.arrange(segment_ids(batch.image_ids, max_images), plan, fill=dump)
         x = self.patch_embed(patches) + self.pos_embed(coords, token_grid)
+        # grad_checkpointing: each block keeps only its input for the backward, which runs the
+        # block's forward again. Non-reentrant, torch's recommended kind: torch.compile traces it
+        # (with sdpa into one graph).
+        recompute = self.grad_checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x, backend, plan)
+            if recompute:
+                x = checkpoint(block, x, backend, plan, use_reentrant=False)
+            else:
+                x = block(x, backend, plan)
         pooled = self.pool(self.norm(x).flatten(0, -2), segments.flatten(), dump)
         return pooled.unflatten(0, (rows, max_images))
 
