@@ -167,23 +167,30 @@ def image_mixes(count: int):
         yield pack(samples, PackedShape(rows=3, row_len=48, max_images=6), PATCH_DIM)
 
 
-COMPILE_ONCE = [pytest.param("cpu", "sdpa", torch.float32, id="cpu-sdpa")] + [
-    pytest.param("cuda", backend, dtype, id=f"cuda-{backend}-{str(dtype)[6:]}")
+# The last value: model.net.grad_checkpointing, its recomputed blocks traced with the rest.
+COMPILE_ONCE = [
+    pytest.param("cpu", "sdpa", torch.float32, False, id="cpu-sdpa"),
+    pytest.param("cpu", "sdpa", torch.float32, True, id="cpu-sdpa-grad-checkpointing"),
+] + [
+    pytest.param("cuda", backend, dtype, checkpointed, id=f"cuda-{backend}-{str(dtype)[6:]}{suffix}")
     for backend, dtype in (("sdpa", torch.float32), ("flex", torch.float32), ("varlen", torch.bfloat16))
+    for checkpointed, suffix in ((False, ""), (True, "-grad-checkpointing"))
     if "cuda" in DEVICES and (backend != "varlen" or varlen_available(torch.device("cuda")))
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("device", "backend", "dtype"), COMPILE_ONCE)
-def test_compiled_network_compiles_once_without_graph_breaks(device, backend, dtype):
+@pytest.mark.parametrize(("device", "backend", "dtype", "checkpointed"), COMPILE_ONCE)
+def test_compiled_network_compiles_once_without_graph_breaks(device, backend, dtype, checkpointed):
     """Static batch shapes and fixed-size plans: one graph for every image mix, no recompiles,
     no break per image."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     # head dim 16: FlexAttention's CUDA kernel needs at least 16
-    net = NaViT(patch_size=4, dim=64, depth=2, heads=4, max_grid=8, attention=backend).to(device)
+    net = NaViT(
+        patch_size=4, dim=64, depth=2, heads=4, max_grid=8, attention=backend, grad_checkpointing=checkpointed
+    ).to(device)
     net.compile()
     counters.clear()
     for batch in image_mixes(4):

@@ -132,8 +132,8 @@ class NaViT(nn.Module):
         segments = backend.arrange(segment_ids(batch.image_ids, max_images), plan, fill=dump)
         x = self.patch_embed(patches) + self.pos_embed(coords, token_grid)
         # grad_checkpointing: each block keeps only its input for the backward, which runs the
-        # block's forward again. Non-reentrant, torch's recommended kind: torch.compile traces it
-        # (with sdpa into one graph).
+        # block's forward again. Non-reentrant, torch's recommended kind: it stops recomputing
+        # once it has what the backward needs, and works with every way of calling backward.
         recompute = self.grad_checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
             if recompute:
