@@ -1,6 +1,7 @@
 """The benchmarks run (their figures are for people, not asserted as speeds)."""
 
 import pytest
+import torch
 
 from navit_lightning.bench.data_loading import measure
 from tests.conftest import TINY_RUN
@@ -153,3 +154,26 @@ def test_the_targets_are_judged_on_the_median_step_and_show_how_far_the_rounds_m
     # one round: nothing to range over
     single = [timed("packed", "segments", 512, [100.0], 0.6), timed("peer", "vit-pytorch", 256, [140.0], 0.4)]
     assert "(rows of 256 tokens); target 1.5x: NOT met" in attention.summary(single)[0]
+
+
+def test_a_compiled_case_warms_up_twice_before_the_timed_rounds():
+    """Compiled cases share the network's code: the first one recompiles (dynamic shapes)
+    after the next one compiled, and that recompile must fall in its warm-up, not a round."""
+    from navit_lightning.bench import attention
+
+    calls = {False: 0, True: 0}
+
+    def case(compiled: bool) -> attention.Case:
+        def step(batch: object) -> None:
+            calls[compiled] += 1
+
+        net = torch.nn.Linear(1, 1)
+        trainer = attention.Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), step)
+        result = attention.Result("navit_tiny", "packed", "sdpa", compiled, 256, 1, 1, step_ms=None)
+        return attention.Case(result, trainer, batch=None, flops=1.0)
+
+    cases = [case(False), case(True)]
+    cpu = torch.device("cpu")
+    attention.measure_interleaved(cases, cpu, 2, attention.MatmulProbe(cpu, torch.float32))
+    assert calls == {False: 1 + 2, True: 2 + 2}
+    assert all(len(c.result.round_ms) == 2 for c in cases)
