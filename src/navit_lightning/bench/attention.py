@@ -244,8 +244,8 @@ def measure_interleaved(
 ) -> None:
     """One warm-up step per case (compiles; two for a compiled case), then `rounds` rounds of
     the matmul probe and one step of every case in turn: the machine's drifts hit every case
-    and the probe alike.
-    Figures from the median step; on a CPU with `host_memory`, the peak from one more step."""
+    and the probe alike. Figures from the median step; on a CPU with `host_memory`, the peak
+    from one more step."""
     ready = []
     for case in cases:
         if case.trainer is None:  # could not be built here: its note says why
