@@ -8,6 +8,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from torch.utils.data import DataLoader
 
 from navit_lightning.batch import PackedBatch
 from navit_lightning.data.datamodule import PackedImageDataModule
@@ -56,7 +57,7 @@ def test_batches_deliver_exactly_the_planned_sizes(project_root):
         num_workers=0,
     )
     datamodule.setup("fit")
-    assert datamodule.train_policy.drop_by_resolution and datamodule.eval_policy.drop_rate == 0
+    assert datamodule.train_policy.drop_by_resolution and datamodule.policy("val").drop_rate == 0
     loader = datamodule.train_dataloader()
     planned = list(loader.batch_sampler)
     delivered = list(loader)
@@ -67,6 +68,32 @@ def test_batches_deliver_exactly_the_planned_sizes(project_root):
         # Dropped tokens keep their place in the image grid.
         real = batch.image_ids >= 0
         assert (batch.coords[real] < batch.grid.max()).all()
+
+
+def shapes_datamodule(project_root: Path, **options) -> PackedImageDataModule:
+    """The tiny shapes set in batches of 4 rows x 64 tokens of 16 px patches."""
+    return PackedImageDataModule(
+        str(project_root / "data" / "shapes"), patch_size=16, max_patches=64, rows=4, row_len=64, **options
+    )
+
+
+def test_an_evaluation_across_patch_budgets_has_a_loader_per_budget(project_root):
+    """Each loader scales every image to at most its budget, in rows that hold an image at
+    it; afterwards one loader at data.max_patches again."""
+    datamodule = shapes_datamodule(project_root, num_workers=0)
+    datamodule.setup("fit")
+    datamodule.evaluate_at([4, 100])
+    largest = []
+    for budget, loader in zip([4, 100], datamodule.val_dataloader(), strict=True):
+        batches = list(loader)
+        assert sum(batch.num_images for batch in batches) == 48
+        assert {batch.image_ids.shape[1] for batch in batches} == {max(64, budget)}
+        largest.append(max(int(batch.grid.prod(-1).max()) for batch in batches))
+        assert largest[-1] <= budget
+    assert largest[1] > 64  # the tiny shapes reach 10 x 10 patches
+    datamodule.evaluate_at(None)
+    loader = datamodule.val_dataloader()
+    assert isinstance(loader, DataLoader) and next(iter(loader)).image_ids.shape[1] == 64
 
 
 def augmenting_datamodule(root, num_workers: int) -> PackedImageDataModule:
@@ -208,15 +235,7 @@ class RecordBatches(L.LightningModule):
 
 def train_three_epochs(project_root: Path, num_workers: int, **trainer_options) -> RecordBatches:
     """Three epochs of RecordBatches on the tiny shapes set's packed batches, in this process."""
-    datamodule = PackedImageDataModule(
-        str(project_root / "data" / "shapes"),
-        patch_size=16,
-        max_patches=64,
-        rows=4,
-        row_len=64,
-        hflip=0.0,
-        num_workers=num_workers,
-    )
+    datamodule = shapes_datamodule(project_root, hflip=0.0, num_workers=num_workers)
     model = RecordBatches()
     trainer = L.Trainer(
         accelerator="cpu",

@@ -185,3 +185,5 @@ def test_readme_command_runs_as_written(command, readme_root, tmp_path):
         run = max((root / "logs" / "train" / "runs").iterdir())  # as rank 0's job, once
         assert_written_once_by_rank_zero(run)
         assert_sane_rates(output)
+        # its ranks start for fit, for test, and for one evaluation across all patch budgets
+        assert output.count("Initializing distributed: GLOBAL_RANK: 0,") == 3, output[-3000:]

@@ -62,17 +62,13 @@ class NaViTClassifier(L.LightningModule):
         super().__init__()
         self.net = net
         self.head = build_head(head, net.num_features, num_classes)
+        self.num_classes = num_classes
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.compile = compile
         # Keyed "<stage>_acc": a bare "train" key would clash with nn.Module.train.
         self.accuracy = nn.ModuleDict(
-            {
-                # validate_args=False: its checks of the labels are device syncs every step, and
-                # the labels come from the datamodule, which checked them on the host
-                f"{stage}_acc": MulticlassAccuracy(num_classes, average="micro", validate_args=False)
-                for stage in ("train", "val", "test")
-            }
+            {f"{stage}_acc": self._new_accuracy() for stage in ("train", "val", "test")}
         )
         # Fed the synced val accuracy, the same on every rank: nothing left to sync.
         self.val_acc_best = MaxMetric(sync_on_compute=False)
@@ -104,21 +100,44 @@ class NaViTClassifier(L.LightningModule):
         self._host_counts, self.batch_counts = None, counts
         return counts
 
-    def _step(self, batch: PackedBatch, stage: str) -> torch.Tensor:
+    def _new_accuracy(self) -> MulticlassAccuracy:
+        # validate_args=False: its checks of the labels are device syncs every step, and the
+        # labels come from the datamodule, which checked them on the host
+        return MulticlassAccuracy(self.num_classes, average="micro", validate_args=False)
+
+    def _accuracy_key(self, stage: str, dataloader_idx: int) -> str:
+        """`stage`'s accuracy over its loader `dataloader_idx` in self.accuracy: an evaluation
+        across patch budgets has a loader per budget (resolution.py), each counted apart in an
+        accuracy made at its first batch."""
+        key = f"{stage}_acc" if dataloader_idx == 0 else f"{stage}_acc_{dataloader_idx}"
+        if key not in self.accuracy:
+            self.accuracy[key] = self._new_accuracy().to(self.device)
+        return key
+
+    def _step(self, batch: PackedBatch, stage: str, dataloader_idx: int = 0) -> torch.Tensor:
         counts = self._take_counts(batch)
         num_images = counts.images
         index = image_index(batch, num_images)
         logits = self(batch, index)
         labels = batch.labels.flatten()[index]
         loss = image_loss(logits, labels)
+        key = self._accuracy_key(stage, dataloader_idx)
+        accuracy = self.accuracy[key]
         if num_images:  # torchmetrics refuses empty inputs; its state syncs at compute anyway
-            self.accuracy[f"{stage}_acc"].update(logits, labels)
-            if stage == "val":
+            accuracy.update(logits, labels)
+            if stage == "val" and dataloader_idx == 0:
                 self.val_confusion.update(logits, labels)
         log = dict(batch_size=max(num_images, 1), sync_dist=stage != "train")
         self.log(f"{stage}/loss", loss, prog_bar=True, on_step=stage == "train", on_epoch=True, **log)
+        # metric_attribute: Lightning looks a logged metric's name up once, before any made later
         self.log(
-            f"{stage}/acc", self.accuracy[f"{stage}_acc"], prog_bar=True, on_step=False, on_epoch=True, **log
+            f"{stage}/acc",
+            accuracy,
+            prog_bar=True,
+            on_step=False,
+            on_epoch=True,
+            metric_attribute=f"accuracy.{key}",
+            **log,
         )
         if stage == "train":
             # host tensors: Lightning would copy a float to the device, a sync every step
@@ -138,11 +157,11 @@ class NaViTClassifier(L.LightningModule):
     def training_step(self, batch: PackedBatch, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")
 
-    def validation_step(self, batch: PackedBatch, batch_idx: int) -> None:
-        self._step(batch, "val")
+    def validation_step(self, batch: PackedBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._step(batch, "val", dataloader_idx)
 
-    def test_step(self, batch: PackedBatch, batch_idx: int) -> None:
-        self._step(batch, "test")
+    def test_step(self, batch: PackedBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._step(batch, "test", dataloader_idx)
 
     def predict_step(self, batch: PackedBatch, batch_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(N,) numbers and (N, classes) class probabilities of the batch's N images: a

@@ -114,7 +114,8 @@ def predict(cfg: DictConfig) -> Path:
     callbacks = [*instantiate_group(cfg.get("callbacks")), writer]
     datamodule, model, trainer = build_from_checkpoint(cfg, run, data, callbacks)
     datamodule.predict_on(paths)
-    datamodule.evaluate_at(cfg.get("patch_budget"))
+    budget = cfg.get("patch_budget")
+    datamodule.evaluate_at([budget] if budget else None)
     with explain_collective_failure(trainer):
         trainer.predict(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, return_predictions=False)
     return output

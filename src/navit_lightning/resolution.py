@@ -28,20 +28,21 @@ class BudgetResult:
 
 
 class EvalCounter(L.Callback):
-    """Images and real tokens of an evaluation, summed over its batches and ranks, and the
-    seconds from its first batch to its epoch end on the slowest rank, all through
-    Lightning's logging (collectives in its own order: see utils/callbacks.py). Logged, not
-    kept here: under ddp_spawn this callback runs in the ranks, a copy of the caller's, and
+    """Per loader of an evaluation (one per patch budget): its images and real tokens, summed
+    over its batches and ranks, and the seconds from its first batch's start to its last
+    batch's end on the slowest rank, all through Lightning's logging, which keys them by loader
+    where there are several (collectives in its own order: see utils/callbacks.py). Logged,
+    not kept here: under ddp_spawn this callback runs in the ranks, a copy of the caller's, and
     only the logged metrics come back."""
 
     def __init__(self) -> None:
-        self.started: float | None = None
+        self.started = 0.0
 
-    def on_validation_batch_start(self, *args: Any) -> None:
-        self._start()
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._start(*args)
 
-    def on_test_batch_start(self, *args: Any) -> None:
-        self._start()
+    def on_test_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._start(*args)
 
     def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._count(pl_module, "val")
@@ -49,26 +50,20 @@ class EvalCounter(L.Callback):
     def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._count(pl_module, "test")
 
-    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._stop(pl_module, "val")
-
-    def on_test_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._stop(pl_module, "test")
-
-    def _start(self) -> None:
-        if self.started is None:
+    def _start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if batch_idx == 0:  # each loader's first batch
             self.started = time.perf_counter()
-
-    def _stop(self, pl_module: L.LightningModule, stage: str) -> None:
-        elapsed = time.perf_counter() - (self.started or time.perf_counter())
-        self.started = None
-        pl_module.log(f"{stage}/seconds", elapsed, reduce_fx="max", sync_dist=True, batch_size=1)
 
     def _count(self, pl_module: L.LightningModule, stage: str) -> None:
         counts = pl_module.batch_counts
-        for name, value in (("images", counts.images), ("real_tokens", counts.real_tokens)):
+        # The seconds so far, every batch: their maximum is the loader's whole pass.
+        for name, value, reduce in (
+            ("images", counts.images, "sum"),
+            ("real_tokens", counts.real_tokens, "sum"),
+            ("seconds", time.perf_counter() - self.started, "max"),
+        ):
             pl_module.log(
-                f"{stage}/{name}", float(value), on_epoch=True, reduce_fx="sum", sync_dist=True, batch_size=1
+                f"{stage}/{name}", float(value), on_epoch=True, reduce_fx=reduce, sync_dist=True, batch_size=1
             )
 
 
@@ -80,37 +75,36 @@ def accuracy_across_budgets(
     split: str,
     ckpt_path: str | None = None,
 ) -> list[BudgetResult]:
-    """Evaluate `split` once per patch budget, each image at its own aspect ratio scaled to at
-    most that many patches; `ckpt_path`, if given, is loaded by the first evaluation."""
+    """Evaluate `split` once, with a loader per patch budget, each image at its own aspect
+    ratio scaled to at most that many patches; `ckpt_path`, if given, is loaded first. One
+    evaluation, not one per budget: each of ddp_spawn's starts its ranks anew."""
     run_split = {"val": trainer.validate, "test": trainer.test}[split]
     counter = EvalCounter()
-    # The per-budget metrics stay out of the run's loggers (each run would log its own step
-    # 0): report() logs them with the budget as the step.
+    # The per-budget metrics stay out of the run's loggers (they would log at step 0):
+    # report() logs them with the budget as the step.
     loggers, trainer.loggers = trainer.loggers, []
     trainer.callbacks.append(counter)
-    results = []
     try:
-        for budget in budgets:
-            datamodule.evaluate_at(budget)
-            run_split(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
-            ckpt_path = None  # the weights stay loaded
-            metrics = trainer.callback_metrics
-            images = float(metrics[f"{split}/images"])
-            result = BudgetResult(
-                budget,
-                float(metrics[f"{split}/real_tokens"]) / max(images, 1.0),
-                float(metrics[f"{split}/acc"]),
-                images / max(float(metrics[f"{split}/seconds"]), 1e-9),
-            )
-            rank_zero_info(
-                f"{split} at patch budget {budget:>4}: {result.patches_per_image:6.1f} patches per image, "
-                f"accuracy {result.accuracy:.4f}, {result.images_per_s:,.0f} images/s"
-            )
-            results.append(result)
+        datamodule.evaluate_at(budgets)
+        run_split(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
     finally:
         datamodule.evaluate_at(None)
         trainer.callbacks.remove(counter)
         trainer.loggers = loggers
+    results = []
+    for index, budget in enumerate(budgets):
+        # Lightning's key for a loader's metric, where there are several
+        suffix = f"/dataloader_idx_{index}" if len(budgets) > 1 else ""
+        images, real_tokens, accuracy, seconds = (
+            float(trainer.callback_metrics[f"{split}/{name}{suffix}"])
+            for name in ("images", "real_tokens", "acc", "seconds")
+        )
+        result = BudgetResult(budget, real_tokens / max(images, 1.0), accuracy, images / max(seconds, 1e-9))
+        rank_zero_info(
+            f"{split} at patch budget {budget:>4}: {result.patches_per_image:6.1f} patches per image, "
+            f"accuracy {result.accuracy:.4f}, {result.images_per_s:,.0f} images/s"
+        )
+        results.append(result)
     return results
 
 

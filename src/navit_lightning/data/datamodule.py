@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -101,8 +101,7 @@ class PackedImageDataModule(L.LightningDataModule):
         super().__init__()
         self.root = Path(root)
         self.patch_size = patch_size
-        # Training sizes vary (variable resolution, token dropping); evaluation is at the
-        # native resolution capped by max_patches, every token kept.
+        # Training sizes vary (variable resolution, token dropping); evaluation's: see policy.
         self.train_policy = SizePolicy(
             patch_size,
             max_patches,
@@ -111,10 +110,10 @@ class PackedImageDataModule(L.LightningDataModule):
             drop_beta=tuple(token_drop_beta) if token_drop_beta else None,
             drop_by_resolution=token_drop_by_resolution,
         )
-        self.eval_policy = SizePolicy(patch_size, max_patches)
         # Per device; see process_shape.
         self.shape = PackedShape(rows, row_len, max_images_per_row)
-        self.eval_shape = self.shape
+        # The patch budgets of the evaluation loaders, one loader each (see evaluate_at).
+        self.eval_budgets = (max_patches,)
         self.lookahead = lookahead
         self.val_fraction = val_fraction
         self.hflip = hflip
@@ -225,24 +224,24 @@ class PackedImageDataModule(L.LightningDataModule):
         # Several under strategy=dp (PackedDataParallelStrategy), one process per device else.
         return getattr(self.trainer.strategy, "devices_per_process", 1) if self.trainer else 1
 
-    def evaluate_at(self, max_patches: int | None) -> None:
-        """Scale evaluation images to at most `max_patches` patches from now on (None: back to
-        data.max_patches), for accuracy across resolutions; rows are lengthened to hold one
-        image where they must."""
-        max_patches = max_patches or self.train_policy.max_patches
-        self.eval_policy = SizePolicy(self.patch_size, max_patches)
-        self.eval_shape = PackedShape(
-            self.shape.rows, max(self.shape.row_len, max_patches), self.shape.max_images
+    def evaluate_at(self, budgets: Sequence[int] | None) -> None:
+        """From now on evaluate with one loader per patch budget in `budgets`, each scaling the
+        images to at most that many patches (None: one loader at data.max_patches), for
+        accuracy across resolutions; rows are lengthened to hold one image where they must."""
+        self.eval_budgets = tuple(budgets or (self.train_policy.max_patches,))
+
+    def process_shape(self, split: str = "train", budget: int | None = None) -> PackedShape:
+        """The shape of this process's batches of `split` (evaluated at patch `budget`): data.rows
+        per device it drives (dp drives several and splits each batch by rows)."""
+        shape = self.shape
+        row_len = (
+            shape.row_len if split == "train" else max(shape.row_len, self.policy(split, budget).max_patches)
         )
+        return PackedShape(shape.rows * self._devices_per_process, row_len, shape.max_images)
 
-    def process_shape(self, split: str = "train") -> PackedShape:
-        """The shape of this process's batches of `split`: data.rows per device it drives (dp
-        drives several and splits each batch by rows)."""
-        shape = self.shape if split == "train" else self.eval_shape
-        return PackedShape(shape.rows * self._devices_per_process, shape.row_len, shape.max_images)
-
-    def batch_sampler(self, split: str) -> PackedBatchSampler:
-        """The sampler that plans `split`'s packed batches for this rank."""
+    def batch_sampler(self, split: str, budget: int | None = None) -> PackedBatchSampler:
+        """The sampler that plans `split`'s packed batches (evaluated at patch `budget`) for
+        this rank."""
         trainer = self.trainer
         train = split == "train"
         # trainer.overfit_batches: the same first batches every epoch. Lightning turns a
@@ -251,8 +250,8 @@ class PackedImageDataModule(L.LightningDataModule):
         overfit = bool(trainer and trainer.overfit_batches)
         return PackedBatchSampler(
             self.datasets[split].sizes,
-            self.process_shape(split),
-            self._policy(split),
+            self.process_shape(split, budget),
+            self.policy(split, budget),
             shuffle=train and not overfit,
             seed=self.seed,
             lookahead=self.lookahead,
@@ -260,34 +259,47 @@ class PackedImageDataModule(L.LightningDataModule):
             rank=trainer.global_rank if trainer else 0,
         )
 
-    def _loader(self, split: str) -> DataLoader:
-        """`split`'s loader, the same one while the trainer, the batch shape and the image sizes
-        are: Lightning asks for the loaders at every epoch (reload_dataloaders_every_n_epochs=1,
-        so that it recounts the train batches, which vary by epoch), and a loader kept keeps its
-        workers (persistent_workers) instead of starting new ones."""
-        made_for = (self.trainer, self.process_shape(split), self._policy(split))
+    def _loader(self, split: str, budget: int | None = None) -> DataLoader:
+        """`split`'s loader (evaluated at patch `budget`), the same one while the trainer, the
+        batch shape and the image sizes are: Lightning asks for the loaders at every epoch
+        (reload_dataloaders_every_n_epochs=1, so that it recounts the train batches, which vary
+        by epoch), and a loader kept keeps its workers (persistent_workers) instead of starting
+        new ones."""
+        made_for = (self.trainer, self.process_shape(split, budget), self.policy(split, budget))
         kept = self._loaders.get(split)
         if kept is None or kept[0] != made_for:
-            kept = self._loaders[split] = (made_for, self._new_loader(split))
+            kept = self._loaders[split] = (made_for, self._new_loader(split, budget))
         return kept[1]
+
+    def _eval_loaders(self, split: str) -> DataLoader | list[DataLoader]:
+        """One loader per evaluation budget. Several are made anew for each evaluation, and
+        their workers end with each loader's pass: a budget sweep runs once."""
+        if len(self.eval_budgets) == 1:
+            return self._loader(split, self.eval_budgets[0])
+        return [self._new_loader(split, budget, keep_workers=False) for budget in self.eval_budgets]
 
     def teardown(self, stage: str) -> None:
         self._loaders.clear()  # their workers end with them
 
-    def _policy(self, split: str) -> SizePolicy:
-        return self.train_policy if split == "train" else self.eval_policy
+    def policy(self, split: str, budget: int | None = None) -> SizePolicy:
+        """How big `split`'s images are: evaluation images at their native resolution, capped by
+        patch `budget` (data.max_patches if None), every token kept."""
+        if split == "train":
+            return self.train_policy
+        return SizePolicy(self.patch_size, budget or self.train_policy.max_patches)
 
-    def _new_loader(self, split: str) -> DataLoader:
+    def _new_loader(self, split: str, budget: int | None = None, keep_workers: bool = True) -> DataLoader:
         workers = self._num_workers()
         context = start_context(self.multiprocessing_context) if workers else None
+        shape = self.process_shape(split, budget)
         options: dict[str, Any] = dict(
-            batch_sampler=self.batch_sampler(split),
-            collate_fn=PackCollate(self.process_shape(split), self.patch_size**2 * 3),
+            batch_sampler=self.batch_sampler(split, budget),
+            collate_fn=PackCollate(shape, self.patch_size**2 * 3),
             num_workers=workers,
             multiprocessing_context=context,
             worker_init_fn=partial(exit_with_process, os.getpid()),
             pin_memory=self.pin_memory and torch.cuda.is_available(),
-            persistent_workers=workers > 0,
+            persistent_workers=keep_workers and workers > 0,
         )
         if split == "train":
             return TrainLoader(self.datasets[split], batches_done=self._train_batches_done, **options)
@@ -349,11 +361,11 @@ class PackedImageDataModule(L.LightningDataModule):
                 {"effective_batch/tokens": step_tokens, "effective_batch/images": round(step_images, 1)}
             )
 
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val")
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        return self._eval_loaders("val")
 
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test")
+    def test_dataloader(self) -> DataLoader | list[DataLoader]:
+        return self._eval_loaders("test")
 
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader("predict")
+    def predict_dataloader(self) -> DataLoader | list[DataLoader]:
+        return self._eval_loaders("predict")
