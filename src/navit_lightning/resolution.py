@@ -77,7 +77,7 @@ def accuracy_across_budgets(
 ) -> list[BudgetResult]:
     """Evaluate `split` once, with a loader per patch budget, each image at its own aspect
     ratio scaled to at most that many patches; `ckpt_path`, if given, is loaded first. One
-    evaluation, not one per budget: each of ddp_spawn's starts its ranks anew."""
+    evaluation for all budgets: under ddp_spawn every evaluation starts the ranks anew."""
     run_split = {"val": trainer.validate, "test": trainer.test}[split]
     counter = EvalCounter()
     # The per-budget metrics stay out of the run's loggers (they would log at step 0):
