@@ -168,13 +168,14 @@ def image_mixes(count: int):
 
 
 # The last value: model.net.grad_checkpointing, its recomputed blocks traced with the rest.
+CHECKPOINTING = ((False, ""), (True, "-grad-checkpointing"))
 COMPILE_ONCE = [
-    pytest.param("cpu", "sdpa", torch.float32, False, id="cpu-sdpa"),
-    pytest.param("cpu", "sdpa", torch.float32, True, id="cpu-sdpa-grad-checkpointing"),
+    pytest.param("cpu", "sdpa", torch.float32, checkpointed, id=f"cpu-sdpa{suffix}")
+    for checkpointed, suffix in CHECKPOINTING
 ] + [
     pytest.param("cuda", backend, dtype, checkpointed, id=f"cuda-{backend}-{str(dtype)[6:]}{suffix}")
     for backend, dtype in (("sdpa", torch.float32), ("flex", torch.float32), ("varlen", torch.bfloat16))
-    for checkpointed, suffix in ((False, ""), (True, "-grad-checkpointing"))
+    for checkpointed, suffix in CHECKPOINTING
     if "cuda" in DEVICES and (backend != "varlen" or varlen_available(torch.device("cuda")))
 ]
 

@@ -112,8 +112,9 @@ class PackedImageDataModule(L.LightningDataModule):
         )
         # Per device; see process_shape.
         self.shape = PackedShape(rows, row_len, max_images_per_row)
-        # The patch budgets of the evaluation loaders, one loader each (see evaluate_at).
-        self.eval_budgets = (max_patches,)
+        # The patch budgets of the evaluation loaders, one loader each (see evaluate_at);
+        # None: data.max_patches (see policy).
+        self.eval_budgets: tuple[int | None, ...] = (None,)
         self.lookahead = lookahead
         self.val_fraction = val_fraction
         self.hflip = hflip
@@ -228,7 +229,7 @@ class PackedImageDataModule(L.LightningDataModule):
         """From now on evaluate with one loader per patch budget in `budgets`, each scaling the
         images to at most that many patches (None: one loader at data.max_patches), for
         accuracy across resolutions; rows are lengthened to hold one image where they must."""
-        self.eval_budgets = tuple(budgets or (self.train_policy.max_patches,))
+        self.eval_budgets = tuple(budgets or (None,))
 
     def process_shape(self, split: str = "train", budget: int | None = None) -> PackedShape:
         """The shape of this process's batches of `split` (evaluated at patch `budget`): data.rows
