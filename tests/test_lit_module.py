@@ -1,5 +1,6 @@
 """The classifier around NaViT: a head over the real images only, and filler batches."""
 
+import warnings
 from functools import partial
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from navit_lightning.batch import PackedBatch, PackedShape, image_index
 from navit_lightning.data.packing import pack
-from navit_lightning.lit_module import NaViTClassifier
+from navit_lightning.lit_module import NaViTClassifier, image_loss
 from navit_lightning.models import NaViT
 from tests.test_model import SHAPE
 from tests.test_packing import PATCH_DIM, make_sample
@@ -71,6 +72,38 @@ def test_an_all_padding_filler_batch_gives_zero_loss_and_a_gradient_to_every_par
     assert not missing, missing
     assert all(torch.isfinite(p.grad).all() and not p.grad.any() for p in model.parameters())
     assert all(torch.isfinite(b).all() for b in model.buffers())
+
+
+def weighted_mean(losses: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    return sum(loss * weight for loss, weight in losses) / sum(weight for _, weight in losses)
+
+
+@torch.no_grad()
+def test_the_epoch_loss_is_the_mean_over_the_images_of_every_rank():
+    """Lightning's epoch mean of a logged loss tensor averages each rank's mean of its batch
+    means, a filler batch counted as one image of loss 0. The logged ImageMeanLoss sums the
+    images' losses and counts the images, on each rank and then across ranks (merge_state
+    reduces the states as the sync does)."""
+    filler = pack([], SHAPE, PATCH_DIM)
+    rank_batches = [[make_batch(images=10), make_batch(images=3)], [make_batch(images=6), filler]]
+    ranks = [make_model("linear").eval() for _ in rank_batches]
+    rank_losses = []  # each rank's (batch loss, images)
+    for model, batches in zip(ranks, rank_batches, strict=True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no Trainer here to log to
+            for index, batch in enumerate(batches):
+                model.validation_step(batch, index)
+        losses = [image_loss(model(b), b.labels[b.image_slots]) for b in batches]
+        rank_losses.append(list(zip(losses, [b.num_images for b in batches], strict=True)))
+    per_image = weighted_mean([pair for losses in rank_losses for pair in losses])
+    lightning_mean = (
+        sum(weighted_mean([(loss, max(n, 1)) for loss, n in losses]) for losses in rank_losses) / 2
+    )
+    assert abs(lightning_mean - per_image) > 0.01  # the case under test: they differ
+
+    mean_loss = ranks[0].metrics["val_loss"]
+    mean_loss.merge_state(ranks[1].metrics["val_loss"])
+    torch.testing.assert_close(mean_loss.compute(), per_image, atol=1e-6, rtol=0)
 
 
 def test_throughput_monitor_logs_tokens_and_model_flops(tmp_path):

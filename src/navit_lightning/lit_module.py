@@ -9,7 +9,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchmetrics import MaxMetric
+from torchmetrics import MaxMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
 from navit_lightning.batch import IGNORE_LABEL, PackedBatch, image_index
@@ -25,6 +25,30 @@ def image_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     loss instead of NaN."""
     loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_LABEL, reduction="sum")
     return loss / max(len(labels), 1)
+
+
+class ImageMeanLoss(Metric):
+    """The mean loss per image over an epoch and every rank: each rank sums its images'
+    losses and counts them, and compute() adds both sums across ranks. Logged as a plain
+    tensor, the epoch's loss would be each rank's batch mean averaged (in training rank 0's
+    alone), with an all-padding filler batch counted as one image of loss 0. Not
+    torchmetrics' MeanMetric: it checks every value for NaN (a device sync each step), and
+    without that check (nan_strategy="disable") it drops the weights (torchmetrics 1.9)."""
+
+    full_state_update = False  # forward() updates the state once, not twice
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("loss_sum", torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("images", torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, loss: torch.Tensor, images: int) -> None:
+        """`loss`: the batch's mean over its `images` images (a count on the host: no sync)."""
+        self.loss_sum += loss.detach().float() * images
+        self.images += images
+
+    def compute(self) -> torch.Tensor:
+        return self.loss_sum / self.images.clamp(min=1)
 
 
 class BatchCounts(NamedTuple):
@@ -66,10 +90,11 @@ class NaViTClassifier(L.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.compile = compile
-        # Keyed "<stage>_acc": a bare "train" key would clash with nn.Module.train.
-        self.accuracy = nn.ModuleDict(
-            {f"{stage}_acc": self._new_accuracy() for stage in ("train", "val", "test")}
-        )
+        # Each stage's ImageMeanLoss and MulticlassAccuracy, "<stage>_loss" and "<stage>_acc"
+        # (a bare "train" key would clash with nn.Module.train); more during a budget sweep.
+        self.metrics = nn.ModuleDict()
+        for stage in ("train", "val", "test"):
+            self._metric_names(stage, 0)
         # Fed the synced val accuracy, the same on every rank: nothing left to sync.
         self.val_acc_best = MaxMetric(sync_on_compute=False)
         # Of the validation images, over every rank: the last epoch's, for pictures.LogPictures.
@@ -105,14 +130,16 @@ class NaViTClassifier(L.LightningModule):
         # labels come from the datamodule, which checked them on the host
         return MulticlassAccuracy(self.num_classes, average="micro", validate_args=False)
 
-    def _accuracy_key(self, stage: str, dataloader_idx: int) -> str:
-        """`stage`'s accuracy over its loader `dataloader_idx` in self.accuracy: an evaluation
-        across patch budgets has a loader per budget (resolution.py), each counted apart in an
-        accuracy made at its first batch."""
-        key = f"{stage}_acc" if dataloader_idx == 0 else f"{stage}_acc_{dataloader_idx}"
-        if key not in self.accuracy:
-            self.accuracy[key] = self._new_accuracy().to(self.device)
-        return key
+    def _metric_names(self, stage: str, dataloader_idx: int) -> tuple[str, str]:
+        """The names in self.metrics of `stage`'s mean loss and accuracy over its loader
+        `dataloader_idx`: an evaluation across patch budgets has a loader per budget
+        (resolution.py), each counted apart in metrics made at its first batch."""
+        suffix = "" if dataloader_idx == 0 else f"_{dataloader_idx}"
+        loss, accuracy = f"{stage}_loss{suffix}", f"{stage}_acc{suffix}"
+        if loss not in self.metrics:
+            self.metrics[loss] = ImageMeanLoss().to(self.device)
+            self.metrics[accuracy] = self._new_accuracy().to(self.device)
+        return loss, accuracy
 
     def _step(self, batch: PackedBatch, stage: str, dataloader_idx: int = 0) -> torch.Tensor:
         counts = self._take_counts(batch)
@@ -121,24 +148,24 @@ class NaViTClassifier(L.LightningModule):
         logits = self(batch, index)
         labels = batch.labels.flatten()[index]
         loss = image_loss(logits, labels)
-        key = self._accuracy_key(stage, dataloader_idx)
-        accuracy = self.accuracy[key]
+        loss_name, accuracy_name = self._metric_names(stage, dataloader_idx)
+        self.metrics[loss_name](loss, num_images)  # forward: the batch's value for the step's log too
         if num_images:  # torchmetrics refuses empty inputs; its state syncs at compute anyway
-            accuracy.update(logits, labels)
+            self.metrics[accuracy_name].update(logits, labels)
             if stage == "val" and dataloader_idx == 0:
                 self.val_confusion.update(logits, labels)
-        log = dict(batch_size=max(num_images, 1), sync_dist=stage != "train")
-        self.log(f"{stage}/loss", loss, prog_bar=True, on_step=stage == "train", on_epoch=True, **log)
-        # metric_attribute: Lightning looks a logged metric's name up once, before any made later
-        self.log(
-            f"{stage}/acc",
-            accuracy,
-            prog_bar=True,
-            on_step=False,
-            on_epoch=True,
-            metric_attribute=f"accuracy.{key}",
-            **log,
-        )
+        # Metrics, not tensors: each syncs its own state across ranks when Lightning computes
+        # the epoch's value. metric_attribute: Lightning looks a logged metric's name up once,
+        # before any made later.
+        for name, metric, on_step in (("loss", loss_name, stage == "train"), ("acc", accuracy_name, False)):
+            self.log(
+                f"{stage}/{name}",
+                self.metrics[metric],
+                prog_bar=True,
+                on_step=on_step,
+                on_epoch=True,
+                metric_attribute=f"metrics.{metric}",
+            )
         if stage == "train":
             # host tensors: Lightning would copy a float to the device, a sync every step
             fill = counts.real_tokens / counts.tokens
@@ -175,7 +202,7 @@ class NaViTClassifier(L.LightningModule):
         # runs before any rank-zero-only callback reads the epoch's metrics (the progress bar
         # reads them in on_validation_end); see the note in utils/callbacks.py.
         if not self.trainer.sanity_checking:
-            self.val_acc_best(self.accuracy["val_acc"].compute())
+            self.val_acc_best(self.metrics["val_acc"].compute())
             # sync_dist of equal values: no news, but Lightning warns about epoch logs without it
             self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True, sync_dist=True)
             self.val_confusion_matrix = self.val_confusion.compute()

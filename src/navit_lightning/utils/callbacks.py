@@ -70,7 +70,7 @@ class PackedThroughputMonitor(ThroughputMonitor):
 
 class RankStepReport(L.Callback):
     """At the end of fit, rank zero reports how many training batches every rank ran: under
-    DDP they must all be equal, or the ranks have drifted apart. Its all_gather runs in
+    DDP they must all be equal, or the ranks have drifted apart. Its all_reduce runs in
     on_train_end, when every rank has computed and synced all of the epoch's metrics."""
 
     def __init__(self) -> None:
@@ -80,10 +80,12 @@ class RankStepReport(L.Callback):
         self.batches += 1
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        counts = trainer.strategy.all_gather(torch.tensor(self.batches, device=pl_module.device))
-        rank_zero_info(
-            f"training batches per rank: {counts.reshape(-1).tolist()} (world size {trainer.world_size})"
-        )
+        # Each rank's count in its own place, summed: a gather, without Lightning's all_gather,
+        # which calls one that torch 2.13 deprecates (a warning from every rank).
+        counts = torch.zeros(trainer.world_size, dtype=torch.long, device=pl_module.device)
+        counts[trainer.global_rank] = self.batches
+        counts = trainer.strategy.reduce(counts, reduce_op="sum")
+        rank_zero_info(f"training batches per rank: {counts.tolist()} (world size {trainer.world_size})")
 
 
 class UnreadableImageReport(L.Callback):
