@@ -40,6 +40,7 @@ from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from omegaconf import OmegaConf
 from torch.distributed.distributed_c10d import _set_pg_timeout
+from torchmetrics.utilities.prints import rank_zero_only as torchmetrics_rank_zero_only
 
 import __main__
 from navit_lightning.utils.entry_point import tidy_lightning_output
@@ -108,6 +109,12 @@ class HydraDDPStrategy(DDPStrategy):
         super().__init__(timeout=timedelta(seconds=startup_timeout_s), **kwargs)
         self.collective_timeout_s = collective_timeout_s
         self.startup_timeout_s = startup_timeout_s
+
+    def set_world_ranks(self) -> None:
+        super().set_world_ranks()  # sets Lightning's two rank-zero flags
+        # torchmetrics keeps a third, read from LOCAL_RANK once at import: 0 in every spawned
+        # rank and in every node's first, which all printed its rank-zero warnings.
+        torchmetrics_rank_zero_only.rank = self.global_rank
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
