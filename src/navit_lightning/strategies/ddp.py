@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import logging.config
 import sys
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -82,12 +83,15 @@ class _HydraLoggingSpawnLauncher(_MultiProcessingLauncher):
 
     def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
         # Lightning hands its ranks its own global state only (_GlobalStateSnapshot): without
-        # this they would run float32 matmuls without the TF32 that train.py asks for
+        # this they would run float32 matmuls without the TF32 that train.py asks for, and
+        # show the warnings that the entry point silenced (eval.py's, predict.py's)
         self._float32_matmul_precision = torch.get_float32_matmul_precision()
+        self._warning_filters = list(warnings.filters)
         return super().launch(function, *args, **kwargs)
 
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
         torch.set_float32_matmul_precision(self._float32_matmul_precision)
+        warnings.filters[:] = self._warning_filters
         job_logging = dict(self._job_logging)
         if process_idx > 0:  # the console only: the log file is rank 0's
             job_logging["handlers"] = {k: v for k, v in job_logging["handlers"].items() if k != "file"}
