@@ -6,8 +6,10 @@ of its own in another folder (Lightning issue 11300). Here the children get this
 overrides and its output folder, and leave the .hydra folder and the log file to rank 0.
 
 ddp_spawn's processes start with Python's default logging, so what rank 0 logs during fit
-would miss the run's log file: they get the job's logging config back, and the launching
-process's float32 matmul precision (train.py's TF32), which Lightning does not carry over.
+would miss the run's log file: they get the job's logging config back, the launching
+process's float32 matmul precision (train.py's TF32) and its warning filters, which
+Lightning does not carry over. Every rank also sets torchmetrics' rank-zero flag, which
+Lightning leaves at what torchmetrics read from LOCAL_RANK.
 
 Every process destroys its process group at exit: Lightning does so for NCCL only, and a
 gloo group left to the interpreter's exit aborts a process now and then ("terminate called
