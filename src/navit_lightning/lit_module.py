@@ -29,9 +29,9 @@ def image_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class ImageMeanLoss(Metric):
     """The mean loss per image over an epoch and every rank: each rank sums its images'
-    losses and counts them, and compute() adds both sums across ranks. Logged as a plain
-    tensor, the epoch's loss would be each rank's batch mean averaged (in training rank 0's
-    alone), with an all-padding filler batch counted as one image of loss 0. Not
+    losses and counts them, and the sync before compute() adds both across ranks. Logged as
+    a plain tensor, the epoch's loss would be each rank's batch mean averaged (in training
+    rank 0's alone), with an all-padding filler batch counted as one image of loss 0. Not
     torchmetrics' MeanMetric: it checks every value for NaN (a device sync each step), and
     without that check (nan_strategy="disable") it drops the weights (torchmetrics 1.9)."""
 
