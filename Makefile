@@ -9,13 +9,17 @@ VIT_PYTORCH := 1.26.11
 
 .PHONY: setup train test lint clean
 
-# Re-installs when pyproject.toml changes.
+# Re-installs when pyproject.toml changes. pip byte-compiles on one core; compileall does it
+# once at the end on every core (23 s less of 1 min 54 s on 2 cores). The .pyc files must be
+# written here: where PYTHONDONTWRITEBYTECODE is set, a process would compile at every start.
+# Like pip, it does not stop on a file that does not compile (an import of it would fail).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet --no-compile "$(TORCH)"
+	$(BIN)/pip install --quiet --no-compile -e ".[dev]"
 	# The attention benchmark's peer: --no-deps, its requirements would pull torchvision.
-	$(BIN)/pip install --quiet --no-deps "vit-pytorch==$(VIT_PYTORCH)"
+	$(BIN)/pip install --quiet --no-compile --no-deps "vit-pytorch==$(VIT_PYTORCH)"
+	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $@
 
 setup: $(VENV)/.installed
