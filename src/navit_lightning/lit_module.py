@@ -150,7 +150,7 @@ class NaViTClassifier(L.LightningModule):
         loss = image_loss(logits, labels)
         loss_name, accuracy_name = self._metric_names(stage, dataloader_idx)
         self.metrics[loss_name](loss, num_images)  # forward: the batch's value for the step's log too
-        if num_images:  # torchmetrics refuses empty inputs; its state syncs at compute anyway
+        if num_images:  # torchmetrics refuses empty inputs (torchmetrics#2279); its state syncs anyway
             self.metrics[accuracy_name].update(logits, labels)
             if stage == "val" and dataloader_idx == 0:
                 self.val_confusion.update(logits, labels)
