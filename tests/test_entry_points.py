@@ -119,26 +119,6 @@ def test_torchrun_two_processes_on_cpu(run_entry_point):
     assert_written_once_by_rank_zero(only((run_entry_point.root / "logs" / "train" / "runs").iterdir()))
 
 
-def test_multirun_with_ddp_runs_each_job_once_in_its_folder(run_entry_point):
-    """Lightning's ddp launcher would rerun the whole sweep in each child (its issue 11300)."""
-    run_entry_point(
-        "train.py",
-        "-m",
-        *TINY_RUN,
-        "seed=1,2",
-        "strategy=ddp",
-        "trainer.accelerator=cpu",
-        "trainer.devices=2",
-        "trainer.max_epochs=-1",
-        "trainer.max_steps=10",
-    )
-    assert [p.name for p in (run_entry_point.root / "logs" / "train").iterdir()] == ["multiruns"]
-    sweep = only((run_entry_point.root / "logs" / "train" / "multiruns").iterdir())
-    assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "multirun.yaml"]
-    for job in ("0", "1"):
-        assert_written_once_by_rank_zero(sweep / job, steps_per_rank=10)
-
-
 def test_same_seed_same_command_same_losses(run_entry_point):
     """The default trainer.deterministic with a loader worker (its random flips and patch
     budgets): two runs log the same losses at every step, bit for bit."""

@@ -178,6 +178,7 @@ def test_readme_command_runs_as_written(command, readme_root, tmp_path):
         subprocess.run(["git", "clone", "-q", str(REPO), str(tmp_path / "clone")], check=True)
         (tmp_path / "clone" / ".venv").symlink_to(REPO / ".venv")
         cwd = tmp_path / "clone"
+    jobs_before = set(root.glob("logs/train/*/*/*/.hydra"))  # a sweep's jobs, seeds' or Optuna's
     result = shell(line, cwd or root, root)
     output = result.stdout + result.stderr
     refused = any(setting in command.split() for setting in NEEDS_CUDA) and not torch.cuda.is_available()
@@ -195,3 +196,10 @@ def test_readme_command_runs_as_written(command, readme_root, tmp_path):
         # Rank 1 evaluates filler batches only on the tiny data: torchmetrics warns of a metric
         # computed before any update, a rank-zero warning that its spawned process printed.
         assert "before the ``update``" not in output, output[-3000:]
+    if {"-m", "strategy=ddp"} <= set(line.split()):  # Lightning's ddp launcher would start
+        # the whole sweep again in each rank it starts (its issue 11300): one sweep folder, each
+        # job run once in its own
+        jobs = sorted(job.parent for job in set(root.glob("logs/train/*/*/*/.hydra")) - jobs_before)
+        assert [job.name for job in jobs] == ["0", "1"] and jobs[0].parent == jobs[1].parent, jobs
+        for job in jobs:
+            assert_written_once_by_rank_zero(job)
