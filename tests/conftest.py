@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from navit_lightning.data import shapes
+from navit_lightning.utils.shutdown import descendants
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_SPEC = shapes.ShapesSpec(num_train=192, num_val=48, num_test=48, max_side=160)
@@ -34,6 +37,24 @@ TINY_TRAINING = [
     "trainer.log_every_n_steps=1",
 ]
 TINY_RUN = TINY_SHAPES + TINY_TRAINING
+
+
+def run_whole(command: str | list[str], *, timeout: float, **popen) -> subprocess.CompletedProcess:
+    """subprocess.run(command, capture_output=True, text=True, timeout=timeout), but a
+    timeout or an interrupted test kills every process the command started (ddp's other
+    ranks, torchrun's workers, loader workers), where subprocess.run kills the first alone
+    and leaves the rest of a hung run behind."""
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except BaseException:
+            for pid in [process.pid, *descendants(process.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def free_port() -> int:
@@ -75,13 +96,8 @@ def run_entry_point(project_root: Path, tmp_path: Path):
         env: dict[str, str] | None = None,
     ) -> subprocess.CompletedProcess:
         env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "HYDRA_FULL_ERROR": "1", **(env or {})}
-        result = subprocess.run(
-            [*launcher, str(REPO / script), *overrides],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
+        result = run_whole(
+            [*launcher, str(REPO / script), *overrides], cwd=tmp_path, env=env, timeout=timeout
         )
         assert result.returncode == 0 or not check, (
             f"{script} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"

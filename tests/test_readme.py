@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, TINY_RUN, TINY_SHAPES, free_port
+from tests.conftest import REPO, TINY_RUN, TINY_SHAPES, free_port, run_whole
 from tests.test_entry_points import assert_sane_rates, assert_written_once_by_rank_zero
 
 pytestmark = pytest.mark.slow
@@ -153,13 +153,11 @@ def shell(command: str, cwd: Path, root: Path) -> subprocess.CompletedProcess:
     paths = [str(Path(sys.executable).parent), str(REPO / "tests" / "bin"), env["PATH"]]
     env["PATH"] = os.pathsep.join(paths)
     env["SLURM_JOB_NUM_NODES"], env["SLURM_NTASKS_PER_NODE"] = "1", "1"  # for the sbatch script
-    return subprocess.run(
+    return run_whole(
         re.sub(r"python (train|eval|predict)\.py", rf"python {REPO}/\1.py", command),
         shell=True,
         cwd=cwd,
         env=env,
-        capture_output=True,
-        text=True,
         timeout=540,
     )
 

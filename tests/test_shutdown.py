@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from navit_lightning.utils.shutdown import GRACE_S, descendants
-from tests.conftest import REPO, TINY_RUN, free_port
+from tests.conftest import REPO, TINY_RUN, free_port, run_whole
 
 pytestmark = pytest.mark.slow
 
@@ -109,3 +109,24 @@ def test_sigterm_ends_a_run_stuck_in_a_collective_within_seconds(run_entry_point
     assert "SIGTERM not handled within" in log.read_text()
     time.sleep(1)
     assert not processes_of(run_entry_point.root)
+
+
+def test_the_suites_runner_ends_every_process_of_a_command_that_timed_out(tmp_path):
+    """run_whole, which runs the entry points in the tests: a hung run's other ranks and
+    workers must end with its test, not run on beside the rest of the suite."""
+    pids = tmp_path / "pids"
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_whole(f"sleep 300 & sleep 300 & echo $! > {pids}; wait", shell=True, timeout=2)
+    background = int(pids.read_text())
+    deadline = time.monotonic() + 10
+    while running(background):
+        assert time.monotonic() < deadline, f"process {background} outlived its command"
+        time.sleep(0.1)
+
+
+def running(pid: int) -> bool:
+    """Alive, and not a zombie that waits for its parent to collect its exit status."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
