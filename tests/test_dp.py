@@ -59,7 +59,10 @@ def test_dp_over_two_devices_gives_the_loss_gradients_and_metrics_of_one_forward
     for name, grad in whole_record.grads.items():
         torch.testing.assert_close(dp_record.grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
     # The metric state lives in the one process: the accuracy over the step's images.
-    assert dp_model.metrics["train_acc"].tp.sum() == whole_model.metrics["train_acc"].tp.sum()
+    for state in ("total", "images"):
+        assert getattr(dp_model.metrics["train_acc"], state) == getattr(
+            whole_model.metrics["train_acc"], state
+        )
     # A BatchNorm head normalised over all the batch's images, not over one device's share.
     for (name, buffer), (_, expected) in zip(
         dp_model.named_buffers(), whole_model.named_buffers(), strict=True

@@ -79,31 +79,41 @@ def weighted_mean(losses: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def test_the_epoch_loss_is_the_mean_over_the_images_of_every_rank():
+def test_the_epoch_loss_and_accuracy_are_means_over_the_images_of_every_rank():
     """Lightning's epoch mean of a logged loss tensor averages each rank's mean of its batch
-    means, a filler batch counted as one image of loss 0. The logged ImageMeanLoss sums the
-    images' losses and counts the images, on each rank and then across ranks (merge_state
-    reduces the states as the sync does)."""
+    means, a filler batch counted as one image of loss 0. The logged ImageMean metrics sum
+    the images' losses and correct predictions and count the images, on each rank and then
+    across ranks (merge_state reduces the states as the sync does). A rank given only filler
+    batches updates its metrics too: torchmetrics would warn that compute() came first."""
     filler = pack([], SHAPE, PATCH_DIM)
-    rank_batches = [[make_batch(images=10), make_batch(images=3)], [make_batch(images=6), filler]]
+    rank_batches = [[make_batch(images=10), make_batch(images=3)], [make_batch(images=6), filler], [filler]]
     ranks = [make_model("linear").eval() for _ in rank_batches]
     rank_losses = []  # each rank's (batch loss, images)
+    correct = 0
     for model, batches in zip(ranks, rank_batches, strict=True):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # no Trainer here to log to
             for index, batch in enumerate(batches):
                 model.validation_step(batch, index)
-        losses = [image_loss(model(b), b.labels[b.image_slots]) for b in batches]
+        logits = [model(b) for b in batches]
+        labels = [b.labels[b.image_slots] for b in batches]
+        losses = [image_loss(*pair) for pair in zip(logits, labels, strict=True)]
         rank_losses.append(list(zip(losses, [b.num_images for b in batches], strict=True)))
+        correct += sum(int((x.argmax(-1) == y).sum()) for x, y in zip(logits, labels, strict=True))
     per_image = weighted_mean([pair for losses in rank_losses for pair in losses])
     lightning_mean = (
-        sum(weighted_mean([(loss, max(n, 1)) for loss, n in losses]) for losses in rank_losses) / 2
+        sum(weighted_mean([(loss, max(n, 1)) for loss, n in losses]) for losses in rank_losses) / 3
     )
     assert abs(lightning_mean - per_image) > 0.01  # the case under test: they differ
 
-    mean_loss = ranks[0].metrics["val_loss"]
-    mean_loss.merge_state(ranks[1].metrics["val_loss"])
-    torch.testing.assert_close(mean_loss.compute(), per_image, atol=1e-6, rtol=0)
+    for name, expected in (("val_loss", per_image), ("val_acc", torch.tensor(correct / 19))):
+        mean = ranks[0].metrics[name]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ranks[2].metrics[name].compute()  # the filler-only rank's own value
+        for rank in ranks[1:]:
+            mean.merge_state(rank.metrics[name])
+        torch.testing.assert_close(mean.compute(), expected, atol=1e-6, rtol=0, msg=name)
 
 
 def test_throughput_monitor_logs_tokens_and_model_flops(tmp_path):

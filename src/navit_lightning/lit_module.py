@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MaxMetric, Metric
-from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
+from torchmetrics.classification import MulticlassConfusionMatrix
 
 from navit_lightning.batch import IGNORE_LABEL, PackedBatch, image_index
 from navit_lightning.models import NaViT, build_head
@@ -27,28 +27,32 @@ def image_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return loss / max(len(labels), 1)
 
 
-class ImageMeanLoss(Metric):
-    """The mean loss per image over an epoch and every rank: each rank sums its images'
-    losses and counts them, and the sync before compute() adds both across ranks. Logged as
-    a plain tensor, the epoch's loss would be each rank's batch mean averaged (in training
-    rank 0's alone), with an all-padding filler batch counted as one image of loss 0. Not
-    torchmetrics' MeanMetric: it checks every value for NaN (a device sync each step), and
-    without that check (nan_strategy="disable") it drops the weights (torchmetrics 1.9)."""
+class ImageMean(Metric):
+    """The mean of a per-image value (a loss, a correct prediction) over an epoch's images on
+    every rank: each rank sums the values of its images and counts them, and the sync before
+    compute() adds both across ranks. Logged as a plain tensor, the epoch's loss would be each
+    rank's batch mean averaged (in training rank 0's alone), with an all-padding filler batch
+    counted as one image of loss 0. Not torchmetrics' MeanMetric: it checks every value for
+    NaN (a device sync each step), and without that check (nan_strategy="disable") it drops
+    the weights (torchmetrics 1.9). Not its MulticlassAccuracy: it refuses a filler batch's
+    empty input (torchmetrics#2279), and a rank given only filler batches then warns that
+    compute() came before any update."""
 
     full_state_update = False  # forward() updates the state once, not twice
 
     def __init__(self) -> None:
         super().__init__()
-        self.add_state("loss_sum", torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("total", torch.tensor(0.0), dist_reduce_fx="sum")
         self.add_state("images", torch.tensor(0.0), dist_reduce_fx="sum")
 
-    def update(self, loss: torch.Tensor, images: int) -> None:
-        """`loss`: the batch's mean over its `images` images (a count on the host: no sync)."""
-        self.loss_sum += loss.detach().float() * images
+    def update(self, total: torch.Tensor, images: int) -> None:
+        """`total`: the value summed over the batch's `images` images (a count on the host: no
+        sync); 0 for a filler batch."""
+        self.total += total.detach().float()
         self.images += images
 
     def compute(self) -> torch.Tensor:
-        return self.loss_sum / self.images.clamp(min=1)
+        return self.total / self.images.clamp(min=1)
 
 
 class BatchCounts(NamedTuple):
@@ -90,7 +94,7 @@ class NaViTClassifier(L.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.compile = compile
-        # Each stage's ImageMeanLoss and MulticlassAccuracy, "<stage>_loss" and "<stage>_acc"
+        # Each stage's mean loss and accuracy (ImageMean), "<stage>_loss" and "<stage>_acc"
         # (a bare "train" key would clash with nn.Module.train); more during a budget sweep.
         self.metrics = nn.ModuleDict()
         for stage in ("train", "val", "test"):
@@ -125,11 +129,6 @@ class NaViTClassifier(L.LightningModule):
         self._host_counts, self.batch_counts = None, counts
         return counts
 
-    def _new_accuracy(self) -> MulticlassAccuracy:
-        # validate_args=False: its checks of the labels are device syncs every step, and the
-        # labels come from the datamodule, which checked them on the host
-        return MulticlassAccuracy(self.num_classes, average="micro", validate_args=False)
-
     def _metric_names(self, stage: str, dataloader_idx: int) -> tuple[str, str]:
         """The names in self.metrics of `stage`'s mean loss and accuracy over its loader
         `dataloader_idx`: an evaluation across patch budgets has a loader per budget
@@ -137,8 +136,8 @@ class NaViTClassifier(L.LightningModule):
         suffix = "" if dataloader_idx == 0 else f"_{dataloader_idx}"
         loss, accuracy = f"{stage}_loss{suffix}", f"{stage}_acc{suffix}"
         if loss not in self.metrics:
-            self.metrics[loss] = ImageMeanLoss().to(self.device)
-            self.metrics[accuracy] = self._new_accuracy().to(self.device)
+            self.metrics[loss] = ImageMean().to(self.device)
+            self.metrics[accuracy] = ImageMean().to(self.device)
         return loss, accuracy
 
     def _step(self, batch: PackedBatch, stage: str, dataloader_idx: int = 0) -> torch.Tensor:
@@ -149,11 +148,11 @@ class NaViTClassifier(L.LightningModule):
         labels = batch.labels.flatten()[index]
         loss = image_loss(logits, labels)
         loss_name, accuracy_name = self._metric_names(stage, dataloader_idx)
-        self.metrics[loss_name](loss, num_images)  # forward: the batch's value for the step's log too
-        if num_images:  # torchmetrics refuses empty inputs (torchmetrics#2279); its state syncs anyway
-            self.metrics[accuracy_name].update(logits, labels)
-            if stage == "val" and dataloader_idx == 0:
-                self.val_confusion.update(logits, labels)
+        # forward: the batch's value for the step's log too
+        self.metrics[loss_name](loss * num_images, num_images)
+        self.metrics[accuracy_name].update((logits.argmax(-1) == labels).sum(), num_images)
+        if stage == "val" and dataloader_idx == 0:
+            self.val_confusion.update(logits, labels)
         # Metrics, not tensors: each syncs its own state across ranks when Lightning computes
         # the epoch's value. metric_attribute: Lightning looks a logged metric's name up once,
         # before any made later.
