@@ -1,4 +1,5 @@
-"""Precision choices train on CPU; sync_batchnorm converts the BatchNorm head for GPU ddp."""
+"""Precision and strategy choices train (on a GPU where there is one); sync_batchnorm
+converts the BatchNorm head for GPU ddp."""
 
 import hydra
 import pytest
@@ -34,17 +35,38 @@ def test_sync_batchnorm_turns_the_heads_batchnorm_into_syncbatchnorm_under_gpu_d
     assert norms == ["SyncBatchNorm"]
 
 
+BF16 = "Using bfloat16 Automatic Mixed Precision"
+ON_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def case(accelerator: str, *overrides: str, announced: str | None = None):
+    marks = [ON_GPU] if accelerator == "gpu" else []
+    return pytest.param(
+        accelerator, list(overrides), announced, marks=marks, id="-".join((accelerator, *overrides))
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("overrides", "announced"),
+    ("accelerator", "overrides", "announced"),
     [
-        (["trainer.precision=bf16-mixed"], "Using bfloat16 Automatic Mixed Precision"),
-        (["trainer.precision=32-true", "model.head=bn_mlp"], None),
-        (["trainer.precision=bf16-mixed", "model.head=bn_mlp", "strategy=ddp", "trainer.devices=2"], None),
+        case("cpu", "trainer.precision=bf16-mixed", announced=BF16),
+        case("cpu", "trainer.precision=32-true", "model.head=bn_mlp"),
+        case("cpu", "trainer.precision=bf16-mixed", "model.head=bn_mlp", "strategy=ddp", "trainer.devices=2"),
+        # The strategies and precisions a one-GPU machine can run; attention auto: varlen under
+        # bf16, flex in float32.
+        case("gpu", "trainer.precision=bf16-mixed", announced=BF16),
+        case("gpu", "strategy=dp", "trainer.devices=1", "model.head=bn_mlp"),
+        case("gpu", "strategy=dp", "trainer.devices=1", "model.net.grad_checkpointing=true"),
+        case("gpu", "strategy=ddp", "trainer.devices=1", "trainer.sync_batchnorm=true", "model.head=bn_mlp"),
     ],
 )
-def test_precisions_and_the_batchnorm_head_train_on_cpu(run_entry_point, overrides, announced):
-    result = run_entry_point("train.py", *TINY_RUN, "trainer.accelerator=cpu", *overrides, "test=false")
+def test_precisions_strategies_and_the_batchnorm_head_train(
+    run_entry_point, accelerator, overrides, announced
+):
+    result = run_entry_point(
+        "train.py", *TINY_RUN, f"trainer.accelerator={accelerator}", *overrides, "test=false"
+    )
     if announced:
         assert announced in result.stdout + result.stderr
     last = next((run_entry_point.root / "logs" / "train" / "runs").glob("*/checkpoints/last.ckpt"))
