@@ -3,6 +3,7 @@
 import warnings
 from functools import partial
 
+import lightning as L
 import pytest
 import torch
 
@@ -10,6 +11,8 @@ from navit_lightning.batch import PackedBatch, PackedShape, image_index
 from navit_lightning.data.packing import pack
 from navit_lightning.lit_module import NaViTClassifier, image_loss
 from navit_lightning.models import NaViT
+from navit_lightning.utils.schedules import warmup_cosine
+from tests.test_datamodule import shapes_datamodule
 from tests.test_model import SHAPE
 from tests.test_packing import PATCH_DIM, make_sample
 
@@ -147,3 +150,34 @@ def test_throughput_monitor_logs_tokens_and_model_flops(tmp_path):
     # samples are images and items real tokens, both counted on the host
     samples, items = (float(logged[f"train/device/{name}_per_sec"][-1]) for name in ("samples", "items"))
     assert samples / items == pytest.approx(batch.num_images / batch.num_real_tokens)
+
+
+@pytest.mark.parametrize(("rule", "exponent"), [("sqrt", 0.5), ("linear", 1.0), (None, 0.0)])
+def test_lr_scaling_carries_the_rate_to_the_effective_batch_before_the_schedule(project_root, rule, exponent):
+    """4 accumulated batches of 4 rows x 64 tokens: 1024 tokens a step, 8x the reference."""
+    datamodule = shapes_datamodule(project_root, num_workers=0)
+    net = NaViT(patch_size=16, dim=32, depth=1, heads=2, max_grid=64)
+    model = NaViTClassifier(
+        net,
+        num_classes=datamodule.num_classes,
+        optimizer=partial(torch.optim.AdamW, lr=1e-3),
+        scheduler=warmup_cosine,
+        lr_scaling=rule,
+        lr_reference_tokens=128,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        accumulate_grad_batches=4,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, datamodule=datamodule)
+    assert datamodule.step_tokens() == 1024
+    # the schedule's base rate, which it warms up to and decays from
+    assert [group["initial_lr"] for group in trainer.optimizers[0].param_groups] == pytest.approx(
+        [1e-3 * 8**exponent] * 2
+    )

@@ -37,6 +37,7 @@ def config(*overrides: str):
         (0, ["trainer.reload_dataloaders_every_n_epochs=0"], "so it must rebuild it every epoch: keep 1"),
         (0, ["patch_budgets=[16,0]"], "must be a list of positive patch counts, e.g. patch_budgets="),
         (0, ["patch_budgets=36"], "must be a list of positive patch counts"),
+        (0, ["model.lr_scaling=square"], "model.lr_scaling='square' is unknown: use one of"),
         (
             2,
             ["optimizer.fused=true", "trainer.precision=bf16-mixed"],

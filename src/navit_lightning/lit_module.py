@@ -8,12 +8,15 @@ from typing import NamedTuple
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torchmetrics import MaxMetric, Metric
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 from navit_lightning.batch import IGNORE_LABEL, PackedBatch, image_index
+from navit_lightning.errors import ConfigError
 from navit_lightning.models import NaViT, build_head
+from navit_lightning.utils.schedules import check_lr_scaling, lr_scale
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer, int], torch.optim.lr_scheduler.LRScheduler]
@@ -86,14 +89,19 @@ class NaViTClassifier(L.LightningModule):
         scheduler: SchedulerFactory | None = None,
         head: str = "linear",
         compile: bool = False,
+        lr_scaling: str | None = None,
+        lr_reference_tokens: int = 2016,
     ) -> None:
         super().__init__()
+        check_lr_scaling(lr_scaling)
         self.net = net
         self.head = build_head(head, net.num_features, num_classes)
         self.num_classes = num_classes
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.compile = compile
+        self.lr_scaling = lr_scaling
+        self.lr_reference_tokens = lr_reference_tokens
         # Each stage's mean loss and accuracy (ImageMean), "<stage>_loss" and "<stage>_acc"
         # (a bare "train" key would clash with nn.Module.train); more during a budget sweep.
         self.metrics = nn.ModuleDict()
@@ -209,7 +217,29 @@ class NaViTClassifier(L.LightningModule):
 
     def configure_optimizers(self) -> dict:
         optimizer = self.optimizer_factory(params=parameter_groups(self))
+        self._scale_learning_rate(optimizer)
         if self.scheduler_factory is None:
             return {"optimizer": optimizer}
         scheduler = self.scheduler_factory(optimizer, self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _scale_learning_rate(self, optimizer: torch.optim.Optimizer) -> None:
+        """model.lr_scaling: optimizer.lr, tuned at lr_reference_tokens a step, carried to this
+        run's effective batch, before the schedule takes it as its base. A resumed run gets
+        the rates it saved back from its checkpoint afterwards (with the schedule's state)."""
+        if self.lr_scaling is None:
+            return
+        step_tokens = getattr(self.trainer.datamodule, "step_tokens", None)
+        if step_tokens is None:
+            raise ConfigError(
+                "model.lr_scaling needs the run's datamodule (its step_tokens): or set it to null"
+            )
+        tokens = step_tokens()
+        scale = lr_scale(self.lr_scaling, tokens, self.lr_reference_tokens)
+        for group in optimizer.param_groups:
+            group["lr"] *= scale
+        resumed = "; the checkpoint's own rates replace it" if self.trainer.ckpt_path else ""
+        rank_zero_info(
+            f"learning rate: optimizer.lr x {scale:.3g} = {optimizer.param_groups[0]['lr']:.3g} "
+            f"({self.lr_scaling}: {tokens} tokens a step, tuned at {self.lr_reference_tokens}){resumed}"
+        )

@@ -341,14 +341,25 @@ class PackedImageDataModule(L.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._train_position = state_dict.get("train_position")
 
+    def _step_factors(self) -> tuple[int, int]:
+        """(ranks, batches accumulated) of one optimizer step."""
+        if not self.trainer:
+            return 1, 1
+        return self.trainer.world_size, self.trainer.accumulate_grad_batches
+
+    def step_tokens(self) -> int:
+        """The tokens, padding included, of one optimizer step: the effective batch."""
+        shape = self.process_shape()
+        ranks, accumulation = self._step_factors()
+        return ranks * accumulation * shape.rows * shape.row_len
+
     def _report_effective_batch(self, sampler: PackedBatchSampler) -> None:
         """Print and log what one optimizer step consumes: a token budget, not an image count."""
         stats = sampler.plan_stats()
-        ranks = self.trainer.world_size if self.trainer else 1
-        accumulation = self.trainer.accumulate_grad_batches if self.trainer else 1
+        ranks, accumulation = self._step_factors()
         shape = self.process_shape()
         tokens = shape.rows * shape.row_len
-        step_tokens = ranks * accumulation * tokens
+        step_tokens = self.step_tokens()
         step_images = ranks * accumulation * stats.images_per_batch
         rank_zero_info(
             f"train: {stats.batches} batches per epoch on each of {ranks} rank(s), each {shape.rows} "

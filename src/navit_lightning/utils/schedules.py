@@ -1,4 +1,5 @@
-"""Learning-rate schedules, built from the optimizer and the run's total optimizer steps."""
+"""Learning rates: scaled to the effective batch, and schedules built from the optimizer and
+the run's total optimizer steps."""
 
 from __future__ import annotations
 
@@ -6,6 +7,29 @@ import math
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
+
+from navit_lightning.errors import ConfigError
+
+# The exponent of the effective batch's growth that a learning rate follows: sqrt is the usual
+# start for Adam-type optimizers, linear (Goyal et al., 2017) for SGD.
+LR_SCALING_EXPONENTS = {"sqrt": 0.5, "linear": 1.0}
+
+
+def check_lr_scaling(rule: str | None) -> None:
+    if rule is not None and rule not in LR_SCALING_EXPONENTS:
+        raise ConfigError(
+            f"model.lr_scaling={rule!r} is unknown: use one of {sorted(LR_SCALING_EXPONENTS)}, "
+            "or null for optimizer.lr as given"
+        )
+
+
+def lr_scale(rule: str | None, step_tokens: int, reference_tokens: int) -> float:
+    """The factor that carries a learning rate tuned at `reference_tokens` a step to
+    `step_tokens` a step under `rule` (None: 1)."""
+    check_lr_scaling(rule)
+    if rule is None:
+        return 1.0
+    return (step_tokens / reference_tokens) ** LR_SCALING_EXPONENTS[rule]
 
 
 def warmup_cosine(

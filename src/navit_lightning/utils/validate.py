@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError
 from navit_lightning.utils.checkpoints import LIGHTNING_CKPT_NAMES, read_checkpoint
+from navit_lightning.utils.schedules import check_lr_scaling
 
 GPU_ACCELERATORS = {"gpu", "cuda"}
 # Lightning turns 16-mixed into bf16-mixed on CPU with only a warning.
@@ -63,6 +64,7 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
     if training:
         check_fused_optimizer(cfg)
         check_attention(cfg.model.net.attention, on_gpu, str(trainer.precision))
+        check_lr_scaling(cfg.model.get("lr_scaling"))
         if not cfg.get("logger") and (cfg.get("callbacks") or {}).get("learning_rate_monitor"):
             # Lightning's LearningRateMonitor fails at the start of fit without a logger
             raise ConfigError(
