@@ -191,8 +191,8 @@ def test_readme_command_runs_as_written(command, readme_root, tmp_path):
         assert_sane_rates(output)
         # its ranks start for fit, for test, and for one evaluation across all patch budgets
         assert output.count("Initializing distributed: GLOBAL_RANK: 0,") == 3, output[-3000:]
-        # Rank 1 evaluates filler batches only on the tiny data: torchmetrics warns of a metric
-        # computed before any update, a rank-zero warning that its spawned process printed.
+        # Rank 1 evaluates filler batches only on the tiny data: its metrics take them, where
+        # torchmetrics' accuracy refused them and warned of a compute before any update.
         assert "before the ``update``" not in output, output[-3000:]
     if re.search(r"train\.py -m .*strategy=ddp\b", line):  # Lightning's ddp launcher would start
         # the whole sweep again in each rank it starts (its issue 11300): one sweep folder, each

@@ -23,12 +23,9 @@ def check_lr_scaling(rule: str | None) -> None:
         )
 
 
-def lr_scale(rule: str | None, step_tokens: int, reference_tokens: int) -> float:
+def lr_scale(rule: str, step_tokens: int, reference_tokens: int) -> float:
     """The factor that carries a learning rate tuned at `reference_tokens` a step to
-    `step_tokens` a step under `rule` (None: 1)."""
-    check_lr_scaling(rule)
-    if rule is None:
-        return 1.0
+    `step_tokens` a step under `rule` (one of LR_SCALING_EXPONENTS)."""
     return (step_tokens / reference_tokens) ** LR_SCALING_EXPONENTS[rule]
 
 
