@@ -4,6 +4,7 @@ the run's total optimizer steps."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
@@ -29,10 +30,26 @@ def lr_scale(rule: str, step_tokens: int, reference_tokens: int) -> float:
     return (step_tokens / reference_tokens) ** LR_SCALING_EXPONENTS[rule]
 
 
+class ResumableLambdaLR(LambdaLR):
+    """A LambdaLR that, given a checkpoint's state, sets the optimizer's rates from its own
+    lambdas at the saved step. The checkpoint's rates came from the schedule it was saved
+    with: a run resumed with more epochs would take one step at the old schedule's rate."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._last_lr = [
+            base * rate(self.last_epoch) for base, rate in zip(self.base_lrs, self.lr_lambdas, strict=True)
+        ]
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr, strict=True):
+            group["lr"] = lr
+
+
 def warmup_cosine(
     optimizer: Optimizer, total_steps: int, warmup_steps: int = 100, min_lr_ratio: float = 0.01
 ) -> LambdaLR:
-    """Linear warm-up from 0 to the base rate, then cosine decay to min_lr_ratio x base."""
+    """Linear warm-up from 0 to the base rate, then cosine decay to min_lr_ratio x base.
+    A run resumed with another total (a larger max_epochs) goes on along the new cosine from
+    the step it was saved at."""
     # A short run (a smoke test, a tiny max_steps) still gets most of its steps decaying.
     warmup_steps = min(warmup_steps, max(1, total_steps // 10))
 
@@ -42,4 +59,4 @@ def warmup_cosine(
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    return LambdaLR(optimizer, factor)
+    return ResumableLambdaLR(optimizer, factor)
