@@ -1,3 +1,5 @@
+import itertools
+
 import pytest
 import torch
 
@@ -24,7 +26,7 @@ def test_warm_up_then_cosine_to_the_floor():
     rates, _ = rates_over(20, 21)
     assert rates[:2] == pytest.approx([0.5e-3, 1e-3])
     assert rates[2] == rates[1]  # the cosine starts at the base rate
-    assert all(later < earlier for earlier, later in zip(rates[2:], rates[3:]))
+    assert all(later < earlier for earlier, later in itertools.pairwise(rates[2:]))
     assert rates[20] == pytest.approx(1e-5)  # min_lr_ratio x base
 
 
