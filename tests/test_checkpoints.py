@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from navit_lightning.errors import ConfigError
-from navit_lightning.utils.checkpoints import AtomicCheckpointIO, read_checkpoint
+from navit_lightning.utils.checkpoints import AtomicCheckpointIO, check_same_classes, read_checkpoint
 from tests.conftest import TINY_RUN, TINY_SHAPES, logged_scalars
 
 
@@ -48,6 +48,15 @@ def test_a_whole_checkpoint_passes(tmp_path):
     path = tmp_path / "last.ckpt"
     torch.save({"state_dict": {}, "run_config": {"seed": 1}}, path)
     assert read_checkpoint(path)["run_config"] == {"seed": 1}
+
+
+def test_eval_data_must_have_the_checkpoints_classes():
+    check_same_classes(["blue", "red"], ["blue", "red"], "run.ckpt")
+    check_same_classes(["blue", "red"], ["0", "1"], "old.ckpt")  # saved before the names were
+    with pytest.raises(ConfigError, match=r"\(1 not trained on: zebra; 1 missing: red\): evaluate on"):
+        check_same_classes(["blue", "zebra"], ["blue", "red"], "run.ckpt")
+    with pytest.raises(ConfigError, match=r"old.ckpt was trained on \(3 not trained on: a, b, c; 2 missing"):
+        check_same_classes(["a", "b", "c"], ["0", "1"], "old.ckpt")
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """train.py and eval.py run end to end in subprocesses, as a user types them."""
 
 import re
+import shutil
 import sys
 
 import hydra
@@ -73,6 +74,23 @@ def test_train_then_eval_reports_accuracy(run_entry_point):
         "data.num_workers=0",
     )
     assert re.search(r"val accuracy: [0-9.]+", result.stdout + result.stderr)
+
+    # A folder with other classes would be scored against the wrong labels: refused.
+    renamed = run_entry_point.root / "renamed"
+    shutil.copytree(images, renamed)
+    first = sorted(path.name for path in renamed.iterdir() if path.is_dir())[0]
+    (renamed / first).rename(renamed / "zebra")
+    result = run_entry_point(
+        "eval.py",
+        f"ckpt_path={run}/checkpoints/last.ckpt",
+        "data=imagefolder",
+        f"data.root={renamed}",
+        check=False,
+    )
+    assert result.returncode == 2
+    assert f"(1 not trained on: zebra; 1 missing: {first}): evaluate on data with the same class folders" in (
+        result.stdout + result.stderr
+    )
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,15 @@
 """Settings this machine cannot run are refused before any process starts, with one line."""
 
+import re
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError
+from navit_lightning.eval import evaluate
+from navit_lightning.predict import predict
 from navit_lightning.utils.validate import check_launch
 
 
@@ -38,6 +42,8 @@ def config(*overrides: str):
         (0, ["patch_budgets=[16,0]"], "must be a list of positive patch counts, e.g. patch_budgets="),
         (0, ["patch_budgets=36"], "must be a list of positive patch counts"),
         (0, ["model.lr_scaling=square"], "model.lr_scaling='square' is unknown: use one of"),
+        (0, ["data=imagefolder"], "data.root must be set: add data.root=/path/to/images to the command"),
+        (0, ["data=shards"], "data.root must be set: add data.root=/path/to/images to the command"),
         (
             2,
             ["optimizer.fused=true", "trainer.precision=bf16-mixed"],
@@ -54,6 +60,26 @@ def test_refused(monkeypatch, gpus, overrides, message):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_launch(config(*overrides))
+
+
+@pytest.mark.parametrize(
+    ("task", "overrides", "message"),
+    [
+        ("eval", [], "ckpt_path must be set: add ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt"),
+        ("predict", [], "ckpt_path and input must be set: add ckpt_path=logs/train/runs/<run>/checkpoints/"),
+        (
+            "eval",
+            ["ckpt_path=run.ckpt", "split=tset"],
+            "split='tset' is unknown: use split=val or split=test",
+        ),
+    ],
+)
+def test_eval_and_predict_refuse_what_they_miss(task, overrides, message):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(task, overrides=overrides)
+    run = {"eval": evaluate, "predict": predict}[task]
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        run(cfg)
 
 
 @pytest.mark.parametrize(
@@ -98,6 +124,7 @@ def test_allowed(monkeypatch, gpus, overrides):
         (["model.net.attention=dense"], "model.net.attention='dense' is unknown"),
         (["model.net.attention=flex"], "model.net.attention=flex cannot train on CPU"),
         (["data.multiprocessing_context=forx"], "data.multiprocessing_context='forx' is unknown: use one of"),
+        (["data=imagefolder"], "data.root must be set: add data.root=/path/to/images to the command"),
     ],
 )
 def test_refusal_is_one_line_and_exit_code_2(run_entry_point, overrides, message):

@@ -11,23 +11,27 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig
 
 from navit_lightning import CONFIG_DIR
+from navit_lightning.errors import ConfigError
 from navit_lightning.resolution import accuracy_across_budgets, report
-from navit_lightning.utils.checkpoints import build_from_checkpoint, load_training_run
+from navit_lightning.utils.checkpoints import build_from_checkpoint, check_same_classes, load_training_run
 from navit_lightning.utils.entry_point import launch, run_task
 from navit_lightning.utils.shutdown import explain_collective_failure
 from navit_lightning.utils.validate import check_launch
+
+# split= -> the Trainer method that runs it
+SPLIT_RUNS = {"val": "validate", "test": "test"}
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Accuracy of the checkpoint's network on the chosen split of cfg.data (without one, the
     training run's data), at each of cfg.patch_budgets if given (accuracy across resolutions)."""
     check_launch(cfg, training=False)
+    if cfg.split not in SPLIT_RUNS:
+        raise ConfigError(f"split={cfg.split!r} is unknown: use split=val or split=test")
     L.seed_everything(cfg.seed, workers=True)
-    run, _ = load_training_run(cfg.ckpt_path)
+    run, class_names = load_training_run(cfg.ckpt_path)
     datamodule, model, trainer = build_from_checkpoint(cfg, run, cfg.get("data") or run.data)
-    run_split = {"val": trainer.validate, "test": trainer.test}
-    if cfg.split not in run_split:
-        raise ValueError(f"split={cfg.split!r} is unknown: use split=val or split=test")
+    check_same_classes(datamodule.class_names(), class_names, cfg.ckpt_path)
     if cfg.get("patch_budgets"):
         with explain_collective_failure(trainer):
             results = accuracy_across_budgets(
@@ -36,7 +40,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         report(results, trainer, Path(cfg.paths.output_dir), f"{cfg.split}: {Path(cfg.ckpt_path).name}")
         return {f"{cfg.split}/acc@{result.patch_budget}": result.accuracy for result in results}
     with explain_collective_failure(trainer):
-        run_split[cfg.split](model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        getattr(trainer, SPLIT_RUNS[cfg.split])(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
     rank_zero_info(f"{cfg.split} accuracy: {metrics[f'{cfg.split}/acc']:.4f} ({cfg.ckpt_path})")
     return metrics

@@ -119,6 +119,27 @@ def load_training_run(ckpt_path: str | Path) -> tuple[DictConfig, list[str]]:
     return run, list(names)
 
 
+def check_same_classes(data_names: list[str], run_names: list[str], ckpt_path: str | Path) -> None:
+    """Labels are positions among the class folders: data with other classes would be scored
+    against the wrong ones. A checkpoint saved before the names were stores only their
+    number (load_training_run numbers them), and is checked by that."""
+    numbered = run_names == [str(label) for label in range(len(run_names))]
+    if data_names == run_names or (numbered and len(data_names) == len(run_names)):
+        return
+    differences = [
+        f"{len(names)} {what}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
+        for what, names in (
+            ("not trained on", sorted(set(data_names) - set(run_names))),
+            ("missing", sorted(set(run_names) - set(data_names))),
+        )
+        if names
+    ]
+    raise ConfigError(
+        f"the data's classes are not those ckpt_path={ckpt_path} was trained on "
+        f"({'; '.join(differences)}): evaluate on data with the same class folders"
+    )
+
+
 def build_from_checkpoint(
     cfg: DictConfig, run: DictConfig, data: DictConfig, callbacks: list[L.Callback] | None = None
 ) -> tuple[L.LightningDataModule, L.LightningModule, L.Trainer]:

@@ -3,12 +3,12 @@ otherwise fail deep inside Lightning or torch (or silently do something else).""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError
@@ -23,11 +23,18 @@ HALF_PRECISIONS = {"bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16", "16
 MIXED_PRECISIONS = {"bf16-mixed", "16-mixed", "bf16", "16"}
 DP_TARGET = "navit_lightning.strategies.PackedDataParallelStrategy"
 STRATEGY_OPTIONS = sorted(path.stem for path in (Path(CONFIG_DIR) / "strategy").glob("*.yaml"))
+# What the configs leave as ??? for the command line to fill in, with an example value.
+REQUIRED_EXAMPLES = {
+    "data.root": "/path/to/images",
+    "ckpt_path": "logs/train/runs/<run>/checkpoints/last.ckpt",
+    "input": "<an image file or a folder of images>",
+}
 
 
 def check_launch(cfg: DictConfig, training: bool = True) -> None:
     """training=False (eval.py): the model, and so its attention backend, comes from the
     checkpoint later."""
+    check_required(cfg)
     trainer = cfg.trainer
     check_strategy_name(trainer.strategy)
     gpus = torch.cuda.device_count()
@@ -74,6 +81,27 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
         ckpt_path = cfg.get("ckpt_path")
         if ckpt_path is not None and ckpt_path not in LIGHTNING_CKPT_NAMES:
             read_checkpoint(ckpt_path)
+
+
+def check_required(cfg: DictConfig) -> None:
+    """Names every ??? left unset in one line, where OmegaConf would raise a traceback about
+    the first one when it is read (data=imagefolder without data.root, eval.py without
+    ckpt_path)."""
+    missing = sorted(unset_keys(OmegaConf.to_container(cfg)))
+    if missing:
+        settings = " ".join(f"{key}={REQUIRED_EXAMPLES.get(key, '<value>')}" for key in missing)
+        raise ConfigError(f"{' and '.join(missing)} must be set: add {settings} to the command")
+
+
+def unset_keys(node: object, prefix: str = "") -> Iterator[str]:
+    """The dotted keys of a config, as a container, whose value is ???. The container keeps
+    interpolations unresolved: they may need Hydra's runtime, which a composed config lacks."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        if value == MISSING:
+            yield f"{prefix}{key}"
+        else:
+            yield from unset_keys(value, f"{prefix}{key}.")
 
 
 def check_fused_optimizer(cfg: DictConfig) -> None:
