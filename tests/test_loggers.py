@@ -35,15 +35,24 @@ def csv_losses(metrics: Path) -> list[float]:
         return [float(row["train/loss_step"]) for row in csv.DictReader(file) if row["train/loss_step"]]
 
 
-def test_csv_logger_writes_every_step_into_the_run_folder(run_entry_point):
+def test_csv_logger_writes_every_step_into_the_run_folder_and_a_resumed_run_adds_to_it(run_entry_point):
     result = run_entry_point("train.py", "logger=csv", *TINY_RUN)
     run = run_folder(run_entry_point.root)
-    assert len(csv_losses(run / "csv" / "metrics.csv")) == trained_batches(result)
-    with (run / "csv" / "metrics.csv").open() as file:
+    metrics = run / "csv" / "metrics.csv"
+    first = csv_losses(metrics)
+    assert len(first) == trained_batches(result)
+    with metrics.open() as file:
         columns = next(csv.reader(file))
     assert {"val/acc", "test/acc", "lr-AdamW/pg1"} <= set(columns)
     assert "model:" in (run / "csv" / "hparams.yaml").read_text()
     assert not (run / "tensorboard").exists()
+
+    resumed = run_entry_point(
+        "train.py", "logger=csv", *TINY_RUN, f"hydra.run.dir={run}", "ckpt_path=last", "trainer.max_epochs=2"
+    )
+    losses = csv_losses(metrics)
+    assert len(losses) == len(first) + trained_batches(resumed)
+    assert losses[: len(first)] == first
 
 
 def test_many_gives_tensorboard_and_csv_the_same_values(run_entry_point):
