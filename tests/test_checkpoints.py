@@ -1,6 +1,7 @@
 """Checkpoints: written atomically, refused with one line when unusable, resumed with
 ckpt_path=last."""
 
+import re
 import signal
 from pathlib import Path
 
@@ -80,7 +81,11 @@ def test_periodic_last_checkpoint_before_validation_then_ckpt_path_last_resumes(
 @pytest.mark.slow
 def test_ckpt_path_last_without_a_checkpoint_starts_fresh_and_a_bad_one_is_refused(run_entry_point):
     fresh = run_entry_point("train.py", *TINY_RUN, "ckpt_path=last")
-    assert "no last checkpoint" in fresh.stdout + fresh.stderr
+    output = fresh.stdout + fresh.stderr
+    assert re.search(
+        r"ckpt_path=last: no last checkpoint \(\S+/checkpoints/last.ckpt\): starting afresh", output
+    )
+    assert "save_last=True" not in output  # Lightning's advice, which the config already follows
     bad = run_entry_point.root / "bad.ckpt"
     bad.write_bytes(b"PK\x03\x04 truncated")
     refused = run_entry_point("train.py", *TINY_RUN, f"ckpt_path={bad}", check=False)

@@ -52,6 +52,25 @@ def build(
     return datamodule, model, trainer
 
 
+def resume_from(ckpt_path: str | None, trainer: L.Trainer) -> str | None:
+    """ckpt_path=last before the run folder has a last.ckpt (a first start, which the same
+    command resumes later) is None, said in one line: Lightning's own warning would advise
+    a save_last=True that the config already sets."""
+    if ckpt_path != "last":
+        return ckpt_path
+    lasts = {
+        Path(callback.dirpath, callback.CHECKPOINT_NAME_LAST + callback.FILE_EXTENSION)
+        for callback in trainer.checkpoint_callbacks
+        if callback.save_last and callback.dirpath
+    }
+    if any(last.is_file() for last in lasts):
+        return ckpt_path
+    rank_zero_info(
+        f"ckpt_path=last: no last checkpoint ({' or '.join(map(str, sorted(lasts)))}): starting afresh"
+    )
+    return None
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit (and optionally test) the model that `cfg` describes; returns the final metrics."""
     datamodule, model, trainer = build(cfg)
@@ -61,7 +80,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     )
     with explain_collective_failure(trainer):
         if cfg.train:
-            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+            trainer.fit(model, datamodule=datamodule, ckpt_path=resume_from(cfg.get("ckpt_path"), trainer))
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
         if cfg.test:
