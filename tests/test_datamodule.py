@@ -1,3 +1,4 @@
+import logging
 import os
 import shutil
 import signal
@@ -26,15 +27,19 @@ def test_train_and_val_folders_are_used_as_given(project_root):
     assert datamodule.datasets["train"].hflip == 0.5 and datamodule.datasets["val"].hflip == 0.0
 
 
-def test_a_flat_folder_is_split_by_seed_and_every_image_is_batched_once(project_root, tmp_path):
+def test_a_flat_folder_is_split_by_seed_and_every_image_is_batched_once(project_root, tmp_path, caplog):
     shutil.copytree(project_root / "data" / "shapes" / "train", tmp_path / "images")
     splits = []
     for _ in range(2):
         datamodule = PackedImageDataModule(
             str(tmp_path / "images"), patch_size=16, max_patches=64, num_workers=0
         )
-        datamodule.setup("fit")
+        with caplog.at_level(logging.INFO):
+            datamodule.setup("fit")
         splits.append(datamodule.datasets["val"].images.paths.tolist())
+    # without test/, testing is on the val split, and training says so
+    assert datamodule.datasets["test"] is datamodule.datasets["val"]
+    assert f"no test/ folder under {tmp_path / 'images'}: the test split is the val split" in caplog.text
     assert splits[0] == splits[1] and len(splits[0]) == round(192 * 0.1)
     train_paths = set(datamodule.datasets["train"].images.paths.tolist())
     assert train_paths.isdisjoint(splits[0]) and len(train_paths) == 192 - len(splits[0])

@@ -208,7 +208,12 @@ class PackedImageDataModule(L.LightningDataModule):
             name: ImageFolder(images, self.patch_size, hflip=self.hflip if name == "train" else 0.0)
             for name, images in splits.items()
         }
-        self.datasets.setdefault("test", self.datasets["val"])
+        if "test" not in self.datasets:
+            rank_zero_info(
+                f"no test/ folder under {self.root}: the test split is the val split, which also "
+                "picks the best checkpoint; a test/ folder gives an independent test/acc"
+            )
+            self.datasets["test"] = self.datasets["val"]
 
     def _manifest(self) -> tuple[Manifest, set[str]]:
         """root's manifest and the names of its top-level folders."""
