@@ -181,7 +181,7 @@ def test_train_on_a_messy_folder_to_the_end(run_entry_point, tmp_path):
     # Decoded every epoch (2 here), warned about once, counted in each epoch's report.
     for name in ("truncated.jpg", "truncated.png"):
         assert output.count(f"{name}: it could not be decoded") == 1
-    skipped = re.findall(r"(?:train|val) epoch (\d): skipped (\d) images that could not be decoded", output)
+    skipped = re.findall(r"(?:train|val) epoch (\d): skipped (\d) images? that could not be decoded", output)
     assert {epoch: sum(int(n) for e, n in skipped if e == epoch) for epoch, _ in skipped} == {"0": 2, "1": 2}
 
 

@@ -141,4 +141,5 @@ class UnreadableImageReport(L.Callback):
         epoch = self.epoch.pop(stage)  # once per counted epoch
         total = trainer.callback_metrics.get(f"{stage}/unreadable_images")
         if total is not None and total > 0:
-            rank_zero_warn(f"{stage} epoch {epoch}: skipped {int(total)} images that could not be decoded")
+            count = f"{int(total)} image{'s' if total > 1 else ''}"
+            rank_zero_warn(f"{stage} epoch {epoch}: skipped {count} that could not be decoded")

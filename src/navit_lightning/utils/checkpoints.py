@@ -14,6 +14,7 @@ import lightning as L
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning.errors import ConfigError
@@ -83,6 +84,10 @@ class ResumeCheckpoint(ModelCheckpoint):
         # last.ckpt only: ModelCheckpoint would also write a step-named copy
         if self._should_save_on_exception(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+            rank_zero_info(
+                f"stopped at step {trainer.global_step} ({type(exception).__name__}): saved "
+                f"{self.last_model_path}, which ckpt_path=last resumes from"
+            )
 
 
 def read_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
