@@ -23,6 +23,8 @@ from navit_lightning.utils.shutdown import is_collective_failure
 
 # What Lightning's own ckpt_path accepts besides a file.
 LIGHTNING_CKPT_NAMES = {"last", "best", "hpc", "registry"}
+# Where a training run leaves the checkpoint to name, as messages show it.
+CKPT_PATH_EXAMPLE = "logs/train/runs/<run>/checkpoints/last.ckpt"
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -97,7 +99,7 @@ def read_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(
             f"ckpt_path={path} does not exist: pass a run's checkpoint, e.g. "
-            "logs/train/runs/<run>/checkpoints/last.ckpt (train.py also takes ckpt_path=last)"
+            f"{CKPT_PATH_EXAMPLE} (train.py also takes ckpt_path=last)"
         )
     try:
         with zipfile.ZipFile(path) as archive:

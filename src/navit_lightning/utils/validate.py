@@ -12,7 +12,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError
-from navit_lightning.utils.checkpoints import LIGHTNING_CKPT_NAMES, read_checkpoint
+from navit_lightning.utils.checkpoints import CKPT_PATH_EXAMPLE, LIGHTNING_CKPT_NAMES, read_checkpoint
 from navit_lightning.utils.schedules import check_lr_scaling
 
 GPU_ACCELERATORS = {"gpu", "cuda"}
@@ -26,7 +26,7 @@ STRATEGY_OPTIONS = sorted(path.stem for path in (Path(CONFIG_DIR) / "strategy").
 # What the configs leave as ??? for the command line to fill in, with an example value.
 REQUIRED_EXAMPLES = {
     "data.root": "/path/to/images",
-    "ckpt_path": "logs/train/runs/<run>/checkpoints/last.ckpt",
+    "ckpt_path": CKPT_PATH_EXAMPLE,
     "input": "<an image file or a folder of images>",
 }
 
