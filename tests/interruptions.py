@@ -7,9 +7,10 @@ import lightning as L
 
 
 class InterruptAtStep(L.Callback):
-    """At global step `step`: raise an error (`how=error`), or send this process SIGTERM
-    (`how=sigterm`, what a cluster's scheduler sends before it stops a job) or SIGKILL
-    (`how=sigkill`, a node lost: nothing runs after it)."""
+    """At global step `step`: raise an error on every rank (`how=error`); send the last
+    rank's process SIGTERM (`how=sigterm`: what a cluster's scheduler sends before it stops a
+    job, and which reaches the ranks at different moments, here the other ranks never); or
+    send every rank's process SIGKILL (`how=sigkill`, a node lost: nothing runs after it)."""
 
     def __init__(self, step: int, how: str) -> None:
         self.step, self.how = step, how
@@ -19,4 +20,7 @@ class InterruptAtStep(L.Callback):
             return
         if self.how == "error":
             raise RuntimeError(f"interrupted at step {self.step} on purpose")
-        os.kill(os.getpid(), signal.SIGKILL if self.how == "sigkill" else signal.SIGTERM)
+        if self.how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif trainer.global_rank == trainer.world_size - 1:
+            os.kill(os.getpid(), signal.SIGTERM)

@@ -17,7 +17,7 @@ from navit_lightning.resolution import accuracy_across_budgets, report
 from navit_lightning.utils.callbacks import StoreRunConfig
 from navit_lightning.utils.entry_point import launch, log_config, run_task
 from navit_lightning.utils.instantiate import instantiate_group
-from navit_lightning.utils.shutdown import explain_collective_failure
+from navit_lightning.utils.shutdown import StopTogetherOnSigterm, explain_collective_failure
 from navit_lightning.utils.validate import check_launch
 
 # The run's results beside its settings (TensorBoard's HPARAMS tab): hp/ name -> metric.
@@ -40,6 +40,7 @@ def build(
     callbacks = [
         *instantiate_group(cfg.get("callbacks")),
         StoreRunConfig(run_config, datamodule.class_names()),
+        StopTogetherOnSigterm(),
         *extra_callbacks,
     ]
     loggers = instantiate_group(cfg.get("logger"))

@@ -86,6 +86,8 @@ class ResumeCheckpoint(ModelCheckpoint):
         # last.ckpt only: ModelCheckpoint would also write a step-named copy
         if self._should_save_on_exception(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        # also where it was saved at this step already (an epoch's end, then a signal)
+        if self.last_model_path and self._last_global_step_saved == trainer.global_step:
             rank_zero_info(
                 f"stopped at step {trainer.global_step} ({type(exception).__name__}): saved "
                 f"{self.last_model_path}, which ckpt_path=last resumes from"

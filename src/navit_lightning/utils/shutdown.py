@@ -13,6 +13,9 @@ Two ways a run used to hang for good:
   `signal.set_wakeup_fd`: after SIGTERM or SIGINT it leaves the main thread `grace_s` seconds
   to stop on its own (Lightning's graceful path), then kills the process's descendants
   (ranks, loader workers) and exits.
+
+And a SIGTERM during training stops every rank before the same training step, where
+`last.ckpt` is written (`StopTogetherOnSigterm`).
 """
 
 from __future__ import annotations
@@ -24,10 +27,15 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from datetime import timedelta
+from functools import partial
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import lightning as L
 import torch.distributed
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 log = logging.getLogger("navit_lightning")
 
@@ -93,6 +101,74 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+class StopTogetherOnSigterm(L.Callback):
+    """A SIGTERM to any rank during fit stops every rank before the same training step:
+    there ResumeCheckpoint writes last.ckpt, and each process exits with code 143.
+
+    Lightning's own handling (2.6) races under ddp (Lightning issue 20806): its handler
+    broadcasts from inside the signal handler, and each rank also stops at the end of a step
+    on its own flag. Ranks signalled at different moments (srun, torchrun and a scheduler's
+    cancel signal each process) entered different collectives, waited until the watchdog
+    stopped them, and the step's last.ckpt was never written. Here the handler only records
+    the signal; before each optimizer step's first batch, the ranks add up their records in
+    one all_reduce, on a gloo group of their own: host memory, no device sync. Lightning's
+    handler is replaced for the fit, so its flag stays down and its checks never fire.
+    """
+
+    def __init__(self) -> None:
+        self.signalled = False
+        self._group: Any = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # every rank, in the same order: creating a group is itself a collective
+        if stage == "fit" and trainer.world_size > 1 and self._group is None:
+            timeout = getattr(trainer.strategy, "collective_timeout_s", None)
+            self._group = torch.distributed.new_group(
+                backend="gloo", timeout=timedelta(seconds=timeout) if timeout else None
+            )
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Its sockets and threads go with the fit: a multirun's next job starts its own group,
+        # and ddp_spawn's ranks exit without the interpreter's clean-up.
+        if stage == "fit" and self._group is not None:
+            torch.distributed.destroy_process_group(self._group)
+            self._group = None
+
+    # After Lightning installs its handler (at the start of the fit stage), which it puts back
+    # at the stage's end; the sanity check runs first when there is one.
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._listen(trainer)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._listen(trainer)
+
+    def _listen(self, trainer: L.Trainer) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, partial(self._record, trainer.global_rank))
+
+    def _record(self, rank: int, signum: int, frame: FrameType | None) -> None:
+        if not self.signalled:
+            log.info(f"rank {rank}: SIGTERM: every rank stops before its next training step")
+        self.signalled = True
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx % trainer.accumulate_grad_batches:
+            return  # the optimizer step under way has batches still to accumulate
+        signalled = torch.tensor(int(self.signalled))
+        if self._group is not None:
+            torch.distributed.all_reduce(signalled, group=self._group)
+        if signalled.item():
+            # Lightning has fetched this batch, and starts none of it: counted back, so that
+            # the checkpoint resumes with it as from a stop before the fetch (Lightning's own
+            # resume would count it as done and log every later step one too far).
+            progress = trainer.fit_loop.epoch_loop.batch_progress
+            progress.total.reset_on_restart()
+            progress.current.reset_on_restart()
+            raise SIGTERMException(128 + signal.SIGTERM)
 
 
 # What gloo raises when a collective times out, and when a peer rank is gone mid-collective.
