@@ -37,6 +37,8 @@ TINY_TRAINING = [
     "trainer.log_every_n_steps=1",
 ]
 TINY_RUN = TINY_SHAPES + TINY_TRAINING
+# Two ddp ranks on the CPU, as the README runs them on a laptop.
+DDP_TWO_RANKS = ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
 
 
 def run_whole(command: str | list[str], *, timeout: float, **popen) -> subprocess.CompletedProcess:

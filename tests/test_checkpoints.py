@@ -10,7 +10,7 @@ import torch
 
 from navit_lightning.errors import ConfigError
 from navit_lightning.utils.checkpoints import AtomicCheckpointIO, check_same_classes, read_checkpoint
-from tests.conftest import TINY_RUN, TINY_SHAPES, logged_scalars
+from tests.conftest import DDP_TWO_RANKS, TINY_RUN, TINY_SHAPES, logged_scalars
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
@@ -91,9 +91,6 @@ def test_ckpt_path_last_without_a_checkpoint_starts_fresh_and_a_bad_one_is_refus
     refused = run_entry_point("train.py", *TINY_RUN, f"ckpt_path={bad}", check=False)
     assert refused.returncode == 2
     assert f"error: ckpt_path={bad} cannot be read" in refused.stdout + refused.stderr
-
-
-DDP_TWO_RANKS = ["trainer.accelerator=cpu", "trainer.devices=2", "strategy=ddp"]
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import hydra
 import numpy as np
 import pytest
 
-from tests.conftest import TINY_RUN, logged_scalars
+from tests.conftest import DDP_TWO_RANKS, TINY_RUN, logged_scalars
 from tests.test_configs import compose_train
 
 pytestmark = pytest.mark.slow
@@ -129,9 +129,7 @@ def test_torchrun_two_processes_on_cpu(run_entry_point):
     run_entry_point(
         "train.py",
         *TINY_RUN,
-        "strategy=ddp",
-        "trainer.accelerator=cpu",
-        "trainer.devices=2",
+        *DDP_TWO_RANKS,
         launcher=torchrun,
     )
     assert_written_once_by_rank_zero(only((run_entry_point.root / "logs" / "train" / "runs").iterdir()))

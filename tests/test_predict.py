@@ -8,7 +8,7 @@ import pytest
 
 from navit_lightning.data.folder import image_files_under
 from navit_lightning.data.shapes import CLASSES
-from tests.conftest import TINY_RUN
+from tests.conftest import DDP_TWO_RANKS, TINY_RUN
 from tests.test_bad_input import make_messy_folder
 
 pytestmark = pytest.mark.slow
@@ -93,8 +93,7 @@ def test_an_input_without_images_is_refused_with_one_line(run_entry_point, train
 def test_two_ddp_ranks_predict_what_one_process_does(run_entry_point, trained, tmp_path):
     val = run_entry_point.root / "data" / "shapes" / "val"
     _, alone = predict(run_entry_point, trained, val, tmp_path / "alone")
-    ranks = ("trainer.accelerator=cpu", "trainer.devices=2", "strategy=ddp")
-    _, split = predict(run_entry_point, trained, val, tmp_path / "ddp", *ranks)
+    _, split = predict(run_entry_point, trained, val, tmp_path / "ddp", *DDP_TWO_RANKS)
     assert [row["path"] for row in split] == [row["path"] for row in alone]
     for one, two in zip(alone, split, strict=True):
         assert one["class"] == two["class"]

@@ -12,15 +12,13 @@ from pathlib import Path
 import pytest
 
 from navit_lightning.utils.shutdown import GRACE_S, descendants
-from tests.conftest import REPO, TINY_RUN, free_port, run_whole
+from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, free_port, run_whole
 
 pytestmark = pytest.mark.slow
 
 ASYMMETRIC = [
     *TINY_RUN,
-    "strategy=ddp",
-    "trainer.accelerator=cpu",
-    "trainer.devices=2",
+    *DDP_TWO_RANKS,
     "+callbacks.asymmetric._target_=tests.collectives.ReduceAtTrainEpochEnd",
 ]
 

@@ -4,7 +4,7 @@ and continued after a crash."""
 import pytest
 from omegaconf import OmegaConf
 
-from tests.conftest import TINY_RUN
+from tests.conftest import DDP_TWO_RANKS, TINY_RUN
 
 pytestmark = pytest.mark.slow
 
@@ -19,9 +19,7 @@ def results(run_entry_point) -> dict:
     return OmegaConf.to_container(OmegaConf.load(study_folder(run_entry_point) / "optimization_results.yaml"))
 
 
-@pytest.mark.parametrize(
-    "ranks", [[], ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]], ids=["one", "ddp"]
-)
+@pytest.mark.parametrize("ranks", [[], DDP_TWO_RANKS], ids=["one", "ddp"])
 def test_a_three_trial_study_writes_the_best_parameters(run_entry_point, ranks):
     run_entry_point(
         "train.py", "-m", "hparams_search=optuna", "hydra.sweeper.n_trials=3", *TINY_RUN, *ranks, timeout=600
