@@ -2,14 +2,17 @@
 
 import re
 
+import hydra
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.errors import InstantiationException
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError
 from navit_lightning.eval import evaluate
 from navit_lightning.predict import predict
+from navit_lightning.utils.entry_point import refusal
 from navit_lightning.utils.validate import check_launch
 
 
@@ -54,6 +57,12 @@ def config(*overrides: str):
             ["optimizer.fused=true", "trainer.precision=bf16"],
             "optimizer.fused=true cannot clip gradients under trainer.precision=bf16:",
         ),
+        (0, ["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0 must be 1"),
+        (0, ["trainer.gradient_clip_val=-1"], "a negative bound reverses every gradient"),
+        (0, ["optimizer.lr=-1"], "optimizer: Invalid learning rate: -1"),
+        (0, ["+optimizer.momentum=0.9"], "optimizer: AdamW.__init__() got an unexpected keyword argument"),
+        (0, ["scheduler.warmup_steps=-1"], "scheduler.warmup_steps=-1 must be 0 (no warm-up) or more"),
+        (0, ["scheduler.min_lr_ratio=1.5"], "scheduler.min_lr_ratio=1.5 is a share of the base rate"),
     ],
 )
 def test_refused(monkeypatch, gpus, overrides, message):
@@ -102,6 +111,8 @@ def test_eval_and_predict_refuse_what_they_miss(task, overrides, message):
         (2, ["model.net.attention=flex"]),
         (0, ["~logger", "callbacks.learning_rate_monitor=null"]),
         (0, ["optimizer.fused=true"]),
+        (0, ["trainer.gradient_clip_val=null", "trainer.accumulate_grad_batches=4", "model.scheduler=null"]),
+        (0, ["optimizer._target_=torch.optim.SGD", "~optimizer.betas", "+optimizer.momentum=0.9"]),
         (2, ["optimizer.fused=true", "trainer.precision=bf16-mixed", "trainer.gradient_clip_val=null"]),
     ],
 )
@@ -110,11 +121,45 @@ def test_allowed(monkeypatch, gpus, overrides):
     check_launch(config(*overrides))
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data.rows=0"], "data.rows=0 must be above 0"),
+        (["data.num_workers=-1"], "data.num_workers=-1 must be 0 (load in this process) or more"),
+        (["data.val_fraction=1"], "data.val_fraction=1 is the share of images held out: 0 < it < 1"),
+        (["data.hflip=2"], "data.hflip=2 is a probability: 0 <= it <= 1"),
+        (["data.min_patches=40"], "data.min_patches=40 must be between 1 and data.max_patches=36"),
+        (["model.net.heads=0"], "model.net.heads=0 must be above 0"),
+        (["model.net.pool=max"], "model.net.pool='max' is unknown: use one of ['attention', 'mean']"),
+        (["trainer.num_nodes=0"], "trainer: `num_nodes` must be a positive integer, but got 0."),
+        (["+trainer.epochs=3"], "trainer: Trainer.__init__() got an unexpected keyword argument 'epochs'"),
+    ],
+)
+def test_a_constructor_refusing_a_setting_says_which_in_one_line(overrides, message, tmp_path):
+    """What the data module, the network and Lightning's Trainer refuse when train.py builds
+    them, before any other process starts: the entry points print refusal()'s line."""
+    group = overrides[0].lstrip("+").split(".")[0]
+    cfg = config(*overrides, f"paths.output_dir={tmp_path}")
+    node = cfg.model.net if group == "model" else cfg[group]
+    with pytest.raises(InstantiationException) as raised:
+        hydra.utils.instantiate(node)
+    assert refusal(raised.value) == message
+
+
+def test_a_constructor_failing_otherwise_keeps_its_traceback():
+    with pytest.raises(InstantiationException) as raised:
+        hydra.utils.instantiate({"_target_": "navit_lightning.models.NaViT", "pixel_std": "oops"})
+    with pytest.raises(InstantiationException):
+        refusal(raised.value)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
         (["trainer.precision=16-mixed"], "trainer.precision=16-mixed needs a CUDA GPU"),
+        (["trainer.devices=0"], "trainer: `Trainer(devices=0)` value is not a valid input"),
+        (["optimizer.lr=-1"], "optimizer: Invalid learning rate: -1"),
         (["strategy=dp", "trainer.devices=2"], "on CPU use strategy=ddp trainer.accelerator=cpu"),
         (["trainer.sync_batchnorm=true", "model.head=bn_mlp"], "sync_batchnorm=true needs CUDA GPUs"),
         (["trainer.strategy=foo"], "trainer.strategy=foo is unknown"),

@@ -31,7 +31,7 @@ from navit_lightning.data.packing import PackCollate
 from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
 from navit_lightning.data.shards import load_shards, shard_classes
 from navit_lightning.data.workers import exit_with_process, start_context
-from navit_lightning.errors import DataError
+from navit_lightning.errors import ConfigError, DataError, require_positive
 
 # Every rank reads the same lists of files: rank zero names the unreadable ones.
 warn_unreadable_on_rank_zero = rank_zero_only(warn_unreadable)
@@ -99,6 +99,21 @@ class PackedImageDataModule(L.LightningDataModule):
         shards: bool = False,
     ) -> None:
         super().__init__()
+        require_positive(
+            "data",
+            patch_size=patch_size,
+            max_patches=max_patches,
+            rows=rows,
+            row_len=row_len,
+            max_images_per_row=max_images_per_row,
+            lookahead=lookahead,
+        )
+        if num_workers is not None and num_workers < 0:
+            raise ConfigError(f"data.num_workers={num_workers} must be 0 (load in this process) or more")
+        if not 0 < val_fraction < 1:
+            raise ConfigError(f"data.val_fraction={val_fraction} is the share of images held out: 0 < it < 1")
+        if not 0 <= hflip <= 1:
+            raise ConfigError(f"data.hflip={hflip} is a probability: 0 <= it <= 1")
         self.root = Path(root)
         self.patch_size = patch_size
         # Training sizes vary (variable resolution, token dropping); evaluation's: see policy.

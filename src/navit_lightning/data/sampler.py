@@ -16,7 +16,7 @@ from torch.utils.data import Sampler
 from navit_lightning.batch import PackedShape
 from navit_lightning.data.packing import first_fit_decreasing_flat
 from navit_lightning.data.transforms import fit_grids
-from navit_lightning.errors import DataError
+from navit_lightning.errors import ConfigError, DataError
 
 
 class SampleKey(NamedTuple):
@@ -69,12 +69,12 @@ class SizePolicy:
 
     def __post_init__(self) -> None:
         if self.min_patches is not None and not 1 <= self.min_patches <= self.max_patches:
-            raise ValueError(
+            raise ConfigError(
                 f"data.min_patches={self.min_patches} must be between 1 and "
                 f"data.max_patches={self.max_patches}"
             )
         if not 0.0 <= self.drop_rate < 1.0:
-            raise ValueError(f"data.token_drop_rate={self.drop_rate} must be in [0, 1)")
+            raise ConfigError(f"data.token_drop_rate={self.drop_rate} must be in [0, 1)")
 
     def keys(self, sizes: np.ndarray, seed: int, epoch: int) -> SampleKeys:
         """Every image's key, in index order; `sizes` is (images, 2) (height, width).

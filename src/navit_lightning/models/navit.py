@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from navit_lightning.batch import PackedBatch
-from navit_lightning.errors import ConfigError
+from navit_lightning.errors import ConfigError, require_positive
 from navit_lightning.models.attention import (
     Attention,
     Backend,
@@ -100,6 +100,15 @@ class NaViT(nn.Module):
         pixel_std: Sequence[float] = (0.5, 0.5, 0.5),
     ) -> None:
         super().__init__()
+        require_positive(
+            "model.net",
+            patch_size=patch_size,
+            channels=channels,
+            dim=dim,
+            heads=heads,
+            mlp_ratio=mlp_ratio,
+            max_grid=max_grid,
+        )
         self.num_features = dim
         self.patch_dim = patch_size * patch_size * channels
         self.mlp_hidden = int(dim * mlp_ratio)
@@ -112,7 +121,7 @@ class NaViT(nn.Module):
         self.norm = nn.LayerNorm(dim)
         pools = {"attention": lambda: AttentionPool(dim, heads), "mean": MeanPool}
         if pool not in pools:
-            raise ConfigError(f"model.pool={pool!r} is unknown: use one of {sorted(pools)}")
+            raise ConfigError(f"model.net.pool={pool!r} is unknown: use one of {sorted(pools)}")
         self.pool = pools[pool]()
         self.apply(init_weights)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -10,6 +11,7 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from hydra.errors import InstantiationException
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
@@ -76,14 +78,27 @@ def drop_lightning_adverts(record: logging.LogRecord) -> bool:
 
 @contextmanager
 def refuse_bad_input() -> Iterator[None]:
-    """Turn a DataError (bad data.root, a class folder without images, ...) or a ConfigError
-    (a GPU-only setting on CPU, ...) into one line on the console and exit code 2, instead
-    of a traceback. Hydra wraps what a constructor raises: the cause is what counts."""
+    """Turn a DataError (bad data.root, a class folder without images, ...), a ConfigError (a
+    GPU-only setting on CPU, ...) or the Trainer's refusal of an argument (trainer.devices=0)
+    into one line on the console and exit code 2, instead of a traceback. Hydra wraps what a
+    constructor raises: the cause is what counts."""
     try:
         yield
     except (DataError, ConfigError, InstantiationException) as error:
-        cause = error.__cause__ if isinstance(error, InstantiationException) else error
-        if not isinstance(cause, (DataError, ConfigError)):
-            raise
-        logging.getLogger("navit_lightning").error("error: %s", cause)
+        logging.getLogger("navit_lightning").error("error: %s", refusal(error))
         raise SystemExit(2) from None
+
+
+def refusal(error: Exception) -> str:
+    """What `error` says to the user, or `error` raised again where it is not about the input."""
+    if not isinstance(error, InstantiationException):
+        return str(error)
+    cause = error.__cause__
+    if isinstance(cause, (DataError, ConfigError)):
+        return str(cause)
+    # The Trainer's constructor (and its strategy's, ...) only checks its arguments.
+    key = re.search(r"^full_key: (\S+)", str(error), re.MULTILINE)
+    trainer = key is not None and key[1].split(".")[0] == "trainer"
+    if trainer and isinstance(cause, (MisconfigurationException, TypeError, ValueError)):
+        return f"{key[1]}: {cause}"
+    raise error

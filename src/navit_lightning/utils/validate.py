@@ -4,8 +4,10 @@ otherwise fail deep inside Lightning or torch (or silently do something else).""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
+import hydra
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -69,6 +71,8 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
         )
     check_patch_budgets(cfg.get("patch_budgets"))
     if training:
+        check_training_numbers(trainer)
+        check_optimization(cfg.model)
         check_fused_optimizer(cfg)
         check_attention(cfg.model.net.attention, on_gpu, str(trainer.precision))
         check_lr_scaling(cfg.model.get("lr_scaling"))
@@ -102,6 +106,41 @@ def unset_keys(node: object, prefix: str = "") -> Iterator[str]:
             yield f"{prefix}{key}"
         else:
             yield from unset_keys(value, f"{prefix}{key}.")
+
+
+def check_training_numbers(trainer: DictConfig) -> None:
+    """What Lightning takes and then fails on mid-fit, in every rank, or trains wrongly with."""
+    accumulate = trainer.get("accumulate_grad_batches", 1)
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise ConfigError(f"trainer.accumulate_grad_batches={accumulate} must be 1 (no accumulation) or more")
+    clip = trainer.get("gradient_clip_val")
+    if clip is not None and clip < 0:
+        raise ConfigError(
+            f"trainer.gradient_clip_val={clip}: a negative bound reverses every gradient; use a "
+            "positive one, or null for no clipping"
+        )
+
+
+def check_optimization(model: DictConfig) -> None:
+    """Builds the model's optimizer, and its schedule, over a stand-in parameter: what their
+    constructors refuse (a negative learning rate, an unknown argument) is refused here,
+    rather than in configure_optimizers, by every rank once the fit has begun."""
+    with refused_as("optimizer"):
+        optimizer = hydra.utils.instantiate(model.optimizer)(params=[torch.nn.Parameter(torch.zeros(1))])
+    if model.get("scheduler") is not None:
+        with refused_as("scheduler"):
+            hydra.utils.instantiate(model.scheduler)(optimizer, 1)
+
+
+@contextmanager
+def refused_as(group: str) -> Iterator[None]:
+    """A constructor's refusal of its arguments as a ConfigError that names the config group."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"{group}: {error}") from None
 
 
 def check_fused_optimizer(cfg: DictConfig) -> None:
