@@ -7,10 +7,44 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
+from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError
-from navit_lightning.utils.checkpoints import AtomicCheckpointIO, check_same_classes, read_checkpoint
+from navit_lightning.utils.checkpoints import (
+    AtomicCheckpointIO,
+    check_same_classes,
+    data_for,
+    read_checkpoint,
+)
 from tests.conftest import DDP_TWO_RANKS, TINY_RUN, TINY_SHAPES, logged_scalars
+
+
+@pytest.mark.parametrize("task", ["eval", "predict"])
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], {"rows": 4, "num_workers": 3, "lookahead": 512}),
+        (["data.rows=2", "+data.lookahead=8"], {"rows": 2, "num_workers": 3, "lookahead": 8}),
+        (["data.num_workers=0"], {"rows": 4, "num_workers": 0, "lookahead": 512}),
+    ],
+)
+def test_eval_and_predict_take_the_runs_data_with_what_the_command_changes(task, overrides, expected):
+    run = OmegaConf.create({"data": {"_target_": "the.runs.DataModule", **dict.fromkeys(expected, None)}})
+    run.data.update(rows=4, num_workers=3, lookahead=512)
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(task, overrides=["ckpt_path=run.ckpt", *overrides])
+    assert OmegaConf.to_container(data_for(cfg, run)) == {"_target_": "the.runs.DataModule", **expected}
+
+
+def test_eval_on_a_data_group_takes_that_group(tmp_path):
+    run = OmegaConf.create({"data": {"_target_": "the.runs.DataModule", "rows": 4}})
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("eval", overrides=["ckpt_path=run.ckpt", "data=imagefolder", f"data.root={tmp_path}"])
+    data = data_for(cfg, run)
+    assert data._target_ == "navit_lightning.data.datamodule.PackedImageDataModule"
+    assert data.root == str(tmp_path) and data.rows == 14
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):

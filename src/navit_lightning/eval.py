@@ -13,7 +13,12 @@ from omegaconf import DictConfig
 from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError
 from navit_lightning.resolution import accuracy_across_budgets, report
-from navit_lightning.utils.checkpoints import build_from_checkpoint, check_same_classes, load_training_run
+from navit_lightning.utils.checkpoints import (
+    build_from_checkpoint,
+    check_same_classes,
+    data_for,
+    load_training_run,
+)
 from navit_lightning.utils.entry_point import launch, run_task
 from navit_lightning.utils.shutdown import explain_collective_failure
 from navit_lightning.utils.validate import check_launch
@@ -30,7 +35,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         raise ConfigError(f"split={cfg.split!r} is unknown: use split=val or split=test")
     L.seed_everything(cfg.seed, workers=True)
     run, class_names = load_training_run(cfg.ckpt_path)
-    datamodule, model, trainer = build_from_checkpoint(cfg, run, cfg.get("data") or run.data)
+    datamodule, model, trainer = build_from_checkpoint(cfg, run, data_for(cfg, run))
     check_same_classes(datamodule.class_names(), class_names, cfg.ckpt_path)
     if cfg.get("patch_budgets"):
         with explain_collective_failure(trainer):

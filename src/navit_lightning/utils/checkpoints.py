@@ -149,6 +149,16 @@ def check_same_classes(data_names: list[str], run_names: list[str], ckpt_path: s
     )
 
 
+def data_for(cfg: DictConfig, run: DictConfig) -> DictConfig:
+    """eval.py's and predict.py's data: a data group chosen on the command line (data=imagefolder
+    data.root=...) as it is; else the training run's, with the data.* settings given
+    (data.rows=4, +data.max_images_per_row=8) laid over it."""
+    data = cfg.get("data") or {}
+    if "_target_" in data:
+        return data
+    return OmegaConf.merge(run.data, {key: value for key, value in data.items() if value is not None})
+
+
 def build_from_checkpoint(
     cfg: DictConfig, run: DictConfig, data: DictConfig, callbacks: list[L.Callback] | None = None
 ) -> tuple[L.LightningDataModule, L.LightningModule, L.Trainer]:
