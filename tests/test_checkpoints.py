@@ -5,6 +5,7 @@ import re
 import signal
 from pathlib import Path
 
+import hydra
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -15,6 +16,7 @@ from navit_lightning.errors import ConfigError
 from navit_lightning.utils.checkpoints import (
     AtomicCheckpointIO,
     check_same_classes,
+    check_same_network,
     data_for,
     read_checkpoint,
 )
@@ -36,6 +38,23 @@ def test_eval_and_predict_take_the_runs_data_with_what_the_command_changes(task,
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(task, overrides=["ckpt_path=run.ckpt", *overrides])
     assert OmegaConf.to_container(data_for(cfg, run)) == {"_target_": "the.runs.DataModule", **expected}
+
+
+def test_resuming_another_network_is_refused_with_the_settings_that_differ(tmp_path):
+    def built(*overrides: str):
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            cfg = compose("train", overrides=["model.num_classes=3", *overrides])
+        return hydra.utils.instantiate(cfg.model), cfg.model
+
+    model, config = built("model.net.dim=32", "model.net.heads=2")
+    path = tmp_path / "last.ckpt"
+    run_config = {"model": OmegaConf.to_container(config, resolve=True)}
+    torch.save({"state_dict": model.state_dict(), "run_config": run_config}, path)
+    check_same_network(*built("model.net.dim=32", "model.net.heads=2", "optimizer.lr=1e-2"), path)
+    with pytest.raises(
+        ConfigError, match=re.escape("another network (model.net.dim=32 there, 64 here): resume")
+    ):
+        check_same_network(*built("model.net.dim=64", "model.net.heads=2", "optimizer.lr=1e-2"), path)
 
 
 def test_eval_on_a_data_group_takes_that_group(tmp_path):
@@ -213,16 +232,18 @@ def test_a_run_stopped_mid_epoch_resumes_exactly(run_entry_point, ranks, how, sa
     stop_at_step(run_entry_point, command, stopped, 3, how)
     assert torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == saved_at
     first_events = set((stopped / "tensorboard").iterdir())
-    if not ranks:  # another batch shape plans other batches: refused, last.ckpt kept
-        other = run_entry_point(
-            "train.py", *command, "data.rows=3", f"hydra.run.dir={stopped}", "ckpt_path=last", check=False
-        )
-        assert other.returncode == 2
-        assert (
-            f"error: the checkpoint stopped after batch {saved_at} of epoch 0, planned from other data"
-            in (other.stdout + other.stderr)
-        )
-        assert torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == saved_at
+    if not ranks:  # another batch shape plans other batches, another network: refused, last.ckpt kept
+        last = stopped / "checkpoints" / "last.ckpt"
+        for change, refusal in (
+            ("data.rows=3", f"stopped after batch {saved_at} of epoch 0, planned from other data"),
+            ("model.net.depth=2", "holds another network (model.net.depth=4 there, 2 here): resume with"),
+        ):
+            other = run_entry_point(
+                "train.py", *command, change, f"hydra.run.dir={stopped}", "ckpt_path=last", check=False
+            )
+            errors = [line for line in (other.stdout + other.stderr).splitlines() if "error:" in line]
+            assert other.returncode == 2 and len(errors) == 1 and refusal in errors[0], errors
+            assert torch.load(last, weights_only=True)["global_step"] == saved_at
         first_events = set((stopped / "tensorboard").iterdir())
     run_entry_point("train.py", *command, f"hydra.run.dir={stopped}", "ckpt_path=last")
 

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from navit_lightning import CONFIG_DIR
 from navit_lightning.resolution import accuracy_across_budgets, report
 from navit_lightning.utils.callbacks import StoreRunConfig
+from navit_lightning.utils.checkpoints import check_same_network
 from navit_lightning.utils.entry_point import launch, log_config, run_task
 from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.shutdown import StopTogetherOnSigterm, explain_collective_failure
@@ -54,9 +55,10 @@ def build(
 
 
 def resume_from(ckpt_path: str | None, trainer: L.Trainer) -> str | None:
-    """ckpt_path=last before the run folder has a last.ckpt (a first start, which the same
-    command resumes later) is None, said in one line: Lightning's own warning would advise
-    a save_last=True that the config already sets."""
+    """The checkpoint file to resume from. ckpt_path=last: the newest last checkpoint, as
+    Lightning picks it; before the run folder has one (a first start, which the same command
+    resumes later) None, said in one line: Lightning's own warning would advise a
+    save_last=True that the config already sets."""
     if ckpt_path != "last":
         return ckpt_path
     lasts = {
@@ -64,8 +66,9 @@ def resume_from(ckpt_path: str | None, trainer: L.Trainer) -> str | None:
         for callback in trainer.checkpoint_callbacks
         if callback.save_last and callback.dirpath
     }
-    if any(last.is_file() for last in lasts):
-        return ckpt_path
+    existing = [last for last in lasts if last.is_file()]
+    if existing:
+        return str(max(existing, key=lambda last: last.stat().st_mtime))
     rank_zero_info(
         f"ckpt_path=last: no last checkpoint ({' or '.join(map(str, sorted(lasts)))}): starting afresh"
     )
@@ -79,9 +82,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
     rank_zero_info(
         f"world size {trainer.world_size} ({trainer.num_nodes} node(s) x {trainer.num_devices} device(s))"
     )
+    ckpt_path = resume_from(cfg.get("ckpt_path"), trainer) if cfg.train else None
+    if ckpt_path is not None:
+        check_same_network(model, cfg.model, ckpt_path)
     with explain_collective_failure(trainer):
         if cfg.train:
-            trainer.fit(model, datamodule=datamodule, ckpt_path=resume_from(cfg.get("ckpt_path"), trainer))
+            trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
         if cfg.test:

@@ -128,6 +128,50 @@ def load_training_run(ckpt_path: str | Path) -> tuple[DictConfig, list[str]]:
     return run, list(names)
 
 
+def check_same_network(model: torch.nn.Module, model_config: DictConfig, ckpt_path: str | Path) -> None:
+    """A run resumed with other network settings would fail in every rank, once launched, on
+    a page of size mismatches when Lightning loads the weights: refused here, naming the
+    settings that differ."""
+    checkpoint = read_checkpoint(ckpt_path)
+    if tensor_shapes(checkpoint["state_dict"]) == tensor_shapes(model.state_dict()):
+        return
+    saved = network_settings(checkpoint["run_config"].get("model", {}))
+    now = network_settings(OmegaConf.to_container(model_config, resolve=True))
+    changed = [
+        f"{key}={saved.get(key)} there, {now.get(key)} here"
+        for key in sorted(saved.keys() | now.keys())
+        if saved.get(key) != now.get(key)
+    ]
+    raise ConfigError(
+        f"ckpt_path={ckpt_path} holds another network ({'; '.join(changed) or 'other tensors'}): "
+        "resume with the settings it was trained with, or leave ckpt_path out to start afresh"
+    )
+
+
+def tensor_shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(tensor.shape) for name, tensor in state.items()}
+
+
+# model.* settings that do not shape the network
+TRAINING_SETTINGS = ("model.optimizer", "model.scheduler", "model.lr_")
+
+
+def network_settings(model_config: dict[str, Any]) -> dict[str, Any]:
+    """A model config as {dotted key: value}, without the optimizer's and schedule's."""
+    flat = flat_settings(model_config, "model")
+    return {key: value for key, value in flat.items() if not key.startswith(TRAINING_SETTINGS)}
+
+
+def flat_settings(config: Any, prefix: str) -> dict[str, Any]:
+    """A nested config as {dotted key: value}."""
+    if not isinstance(config, dict):
+        return {prefix: config}
+    flat = {}
+    for name, child in config.items():
+        flat.update(flat_settings(child, f"{prefix}.{name}"))
+    return flat
+
+
 def check_same_classes(data_names: list[str], run_names: list[str], ckpt_path: str | Path) -> None:
     """Labels are positions among the class folders: data with other classes would be scored
     against the wrong ones. A checkpoint saved before the names were stores only their
