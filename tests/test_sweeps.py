@@ -59,3 +59,38 @@ def test_the_same_command_continues_a_study_cut_short(run_entry_point):
     found = results(run_entry_point)
     assert [t["state"] for t in found["trials"]] == ["COMPLETE", "FAIL", "COMPLETE"]
     assert sorted(p.name for p in folder.iterdir() if p.name.isdigit()) == ["2"]  # only the new trial ran
+
+
+def test_a_study_whose_trials_log_no_optimized_metric_ends_at_the_first(run_entry_point):
+    """Every trial would end so, and a failed trial is replaced only when a crash cut it
+    short: the study stops with one line instead of running trials without a result."""
+    result = run_entry_point(
+        "train.py",
+        "-m",
+        "hparams_search=optuna",
+        "hydra.sweeper.n_trials=3",
+        "optimized_metric=val/acc_bset",
+        *TINY_RUN,
+        check=False,
+    )
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
+    assert result.returncode == 2
+    assert len(errors) == 1 and "trial 0 ended without optimized_metric=val/acc_bset" in errors[0], errors
+    assert sorted(p.name for p in study_folder(run_entry_point).iterdir() if p.name.isdigit()) == ["0"]
+
+
+def test_failed_trials_count_and_a_study_without_a_result_ends_with_one_line(tmp_path, caplog):
+    import optuna
+
+    from hydra_plugins.navit_optuna_sweeper.optuna_sweeper import OptunaSweeper, trials_run
+
+    study = optuna.create_study(direction="maximize")
+    study.tell(study.ask(), state=optuna.trial.TrialState.FAIL)
+    study.ask()  # left running by a crash: failed, run again, not counted
+    OptunaSweeper._fail_interrupted(study)
+    assert trials_run(study) == 1
+    sweeper = OptunaSweeper("shapes", None, "maximize", n_trials=1, n_jobs=1, seed=0, params={})
+    with pytest.raises(SystemExit) as ended:
+        sweeper._write_results(study, tmp_path)
+    assert ended.value.code == 1
+    assert "error: none of the 2 trials of study 'shapes' completed" in caplog.text

@@ -4,7 +4,8 @@ Each trial is one Hydra job whose overrides carry the sampled values, so under s
 every rank of a trial (started with that job's overrides, strategies/ddp.py) trains the
 same parameters. The study lives in a storage the sweeper alone reads and writes (SQLite in
 the sweep folder by default): rerunning the same command continues it, a trial cut short by
-a crash is counted as failed, and only the missing trials run.
+a crash is failed and run again, and only the missing trials run. A trial that fails on its
+own counts, as in Optuna's own n_trials: a study whose every trial fails ends.
 
 It lives in the `hydra_plugins` package because Hydra instantiates sweepers from there only.
 """
@@ -50,6 +51,16 @@ def distribution(override: Override) -> Any:
         f"hydra.sweeper.params.{override.key_or_group}={override.input_line} is not a search "
         "space: use interval(a, b), tag(log, interval(a, b)), range(a, b, step=s) or choice(a, b)"
     )
+
+
+# The study's record of the trials a crash cut short: failed, but not counted in n_trials.
+CUT_SHORT = "cut_short_trials"
+
+
+def trials_run(study: Any) -> int:
+    """The trials that ran to their end, completed or failed: what n_trials counts."""
+    finished = sum(trial.state.is_finished() for trial in study.trials)
+    return finished - len(study.user_attrs.get(CUT_SHORT, []))
 
 
 class OptunaSweeper(Sweeper):
@@ -110,34 +121,47 @@ class OptunaSweeper(Sweeper):
             load_if_exists=True,
         )
         self._fail_interrupted(study)
-        done = sum(trial.state.is_finished() for trial in study.trials)
-        log.info(f"Optuna study {self.study_name!r} in {self.storage}: {done} of {self.n_trials} trials done")
-        while (
-            todo := self.n_trials - sum(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
-        ) > 0:
+        log.info(
+            f"Optuna study {self.study_name!r} in {self.storage}: {trials_run(study)} of {self.n_trials} "
+            "trials done"
+        )
+        while (todo := self.n_trials - trials_run(study)) > 0:
             trials = [study.ask(space) for _ in range(min(self.n_jobs, todo))]
             overrides = [
                 [*(o.input_line for o in fixed), *(f"{key}={value}" for key, value in trial.params.items())]
                 for trial in trials
             ]
             results = self.launcher.launch(overrides, initial_job_idx=trials[0].number)
-            for trial, result in zip(trials, results, strict=True):
-                self._tell(study, trial, result)
+            valueless = [
+                trial.number
+                for trial, result in zip(trials, results, strict=True)
+                if not self._tell(study, trial, result)
+            ]
+            if valueless:  # every trial would end so: the study would run on without a result
+                log.error(
+                    f"error: trial {valueless[0]} ended without optimized_metric="
+                    f"{self.config.get('optimized_metric')}: name a metric the run logs, and let each "
+                    "trial validate at least once"
+                )
+                raise SystemExit(2)
         self._write_results(study, sweep_dir)
 
     @staticmethod
     def _fail_interrupted(study: Any) -> None:
-        """Trials left running by a crashed sweep are failed: they are run again as new ones."""
+        """Trials left running by a crashed sweep are failed, and not counted: they are run
+        again as new ones."""
         import optuna
 
         for trial in study.get_trials(deepcopy=False, states=[optuna.trial.TrialState.RUNNING]):
             study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+            study.set_user_attr(CUT_SHORT, [*study.user_attrs.get(CUT_SHORT, []), trial.number])
             log.warning(
                 f"trial {trial.number} was cut short by an earlier crash: it runs again as a new trial"
             )
 
     @staticmethod
-    def _tell(study: Any, trial: Any, result: Any) -> None:
+    def _tell(study: Any, trial: Any, result: Any) -> bool:
+        """Records the trial's value, or its failure; False where it ended without a value."""
         import optuna
 
         try:
@@ -145,15 +169,21 @@ class OptunaSweeper(Sweeper):
         except Exception as error:
             log.warning(f"trial {trial.number} failed: {error!r}")
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            return
+            return True
         if value is None:
-            log.warning(f"trial {trial.number} returned no value: is optimized_metric logged?")
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
-            return
+            return False
         study.tell(trial, float(value))
         log.info(f"trial {trial.number}: {float(value):.4f} with {trial.params}")
+        return True
 
     def _write_results(self, study: Any, sweep_dir: Path) -> None:
+        if not any(trial.value is not None for trial in study.trials):
+            log.error(
+                f"error: none of the {len(study.trials)} trials of study {self.study_name!r} completed "
+                "(their errors are above)"
+            )
+            raise SystemExit(1)
         results = {
             "name": "optuna",
             "study_name": self.study_name,
