@@ -125,6 +125,8 @@ def check_optimization(model: DictConfig) -> None:
     """Builds the model's optimizer, and its schedule, over a stand-in parameter: what their
     constructors refuse (a negative learning rate, an unknown argument) is refused here,
     rather than in configure_optimizers, by every rank once the fit has begun."""
+    if model.get("optimizer") is None:
+        return
     with refused_as("optimizer"):
         optimizer = hydra.utils.instantiate(model.optimizer)(params=[torch.nn.Parameter(torch.zeros(1))])
     if model.get("scheduler") is not None:
