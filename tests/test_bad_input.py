@@ -149,13 +149,16 @@ def test_refused_roots_say_what_to_fix(tmp_path):
     (tmp_path / "bare" / "cat").mkdir(parents=True)
     (tmp_path / "bare" / "cat" / "readme.md").write_text("no images here")
     assert "cat holds no images" in refused(tmp_path / "bare")
+    save(Image.new("RGB", (8, 8)), tmp_path / "alone" / "cat" / "1.png")
+    assert "has one class folder (cat): a classifier needs two or more" in refused(tmp_path / "alone")
     with pytest.raises(DataError, match=r"lower data\.max_patches"):
         PackedImageDataModule(str(tmp_path), max_patches=300, row_len=256)
 
 
 def test_a_root_of_only_unreadable_files_is_refused_at_setup(tmp_path):
-    (tmp_path / "cat").mkdir()
-    (tmp_path / "cat" / "broken.png").write_bytes(b"\x89PNG but not really")
+    for name in ("cat", "dog"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "broken.png").write_bytes(b"\x89PNG but not really")
     with pytest.raises(DataError, match="no readable images"):
         PackedImageDataModule(str(tmp_path), val_fraction=0.5).setup("fit")
 

@@ -37,13 +37,19 @@ def is_image_file(path: Path) -> bool:
 
 
 def check_class_folders(root: Path, classes: list[str]) -> None:
-    """Refuse a class folder without a single image file (its class could never be learnt)."""
+    """Refuse a class folder without a single image file (its class could never be learnt),
+    and a single class (nothing to tell apart)."""
     for name in classes:
         if not any(is_image_file(path) for path in (root / name).rglob("*")):
             raise DataError(
                 f"class folder {root / name} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))}): "
                 "add images or remove the folder"
             )
+    if len(classes) < 2:
+        raise DataError(
+            f"image folder {root} has one class folder ({classes[0]}): a classifier needs two or "
+            f"more, {root}/<class>/ each"
+        )
 
 
 def image_files_under(folder: Path) -> list[Path]:
