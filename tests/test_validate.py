@@ -121,6 +121,18 @@ def test_allowed(monkeypatch, gpus, overrides):
     check_launch(config(*overrides))
 
 
+@pytest.mark.parametrize(("amx", "avx512_bf16"), [(False, False), (True, False), (False, True)])
+def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_about(monkeypatch, recwarn, amx, avx512_bf16):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    check_launch(config("trainer.precision=bf16-mixed"))
+    check_launch(config())
+    slow = [w for w in recwarn if "on a CPU without bf16 instructions" in str(w.message)]
+    assert len(slow) == (0 if amx or avx512_bf16 else 1)
+    assert slow == [] or "trainer.precision=32-true is likely faster here" in str(slow[0].message)
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [

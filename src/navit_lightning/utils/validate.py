@@ -10,6 +10,7 @@ from pathlib import Path
 import hydra
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from navit_lightning import CONFIG_DIR
@@ -61,6 +62,12 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
             "trainer.sync_batchnorm=true needs CUDA GPUs (torch's SyncBatchNorm runs on GPU only): "
             "drop it on CPU, where ddp ranks keep their own BatchNorm statistics"
         )
+    if not on_gpu and str(trainer.precision) in HALF_PRECISIONS and not cpu_has_bf16_instructions():
+        rank_zero_warn(
+            f"trainer.precision={trainer.precision} on a CPU without bf16 instructions (AMX or "
+            "AVX512-BF16): bf16 matmuls ran at 0.23x the speed of float32 on such a CPU "
+            "(docs/benchmarks.md), so trainer.precision=32-true is likely faster here"
+        )
     if is_dp(trainer.strategy):
         check_dp(cfg, on_gpu)
     if trainer.get("reload_dataloaders_every_n_epochs", 1) != 1:
@@ -106,6 +113,15 @@ def unset_keys(node: object, prefix: str = "") -> Iterator[str]:
             yield f"{prefix}{key}"
         else:
             yield from unset_keys(value, f"{prefix}{key}.")
+
+
+def cpu_has_bf16_instructions() -> bool:
+    """Whether this CPU multiplies bf16 natively (AMX tiles or AVX512-BF16), as torch's own
+    private probes tell; True where they are missing."""
+    probes = (
+        getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    )
+    return any(probe is None or probe() for probe in probes)
 
 
 def check_training_numbers(trainer: DictConfig) -> None:
