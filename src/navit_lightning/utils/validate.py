@@ -62,7 +62,7 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
             "trainer.sync_batchnorm=true needs CUDA GPUs (torch's SyncBatchNorm runs on GPU only): "
             "drop it on CPU, where ddp ranks keep their own BatchNorm statistics"
         )
-    if not on_gpu and str(trainer.precision) in HALF_PRECISIONS and not cpu_has_bf16_instructions():
+    if not on_gpu and str(trainer.precision).startswith("bf16") and not cpu_has_bf16_instructions():
         rank_zero_warn(
             f"trainer.precision={trainer.precision} on a CPU without bf16 instructions (AMX or "
             "AVX512-BF16): bf16 matmuls ran at 0.23x the speed of float32 on such a CPU "
