@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning.errors import ConfigError
-from navit_lightning.utils.instantiate import instantiate_group
+from navit_lightning.utils.instantiate import dotted_settings, instantiate_group
 from navit_lightning.utils.shutdown import is_collective_failure
 
 # What Lightning's own ckpt_path accepts besides a file.
@@ -158,18 +158,8 @@ TRAINING_SETTINGS = ("model.optimizer", "model.scheduler", "model.lr_")
 
 def network_settings(model_config: dict[str, Any]) -> dict[str, Any]:
     """A model config as {dotted key: value}, without the optimizer's and schedule's."""
-    flat = flat_settings(model_config, "model")
+    flat = dotted_settings(model_config, "model.")
     return {key: value for key, value in flat.items() if not key.startswith(TRAINING_SETTINGS)}
-
-
-def flat_settings(config: Any, prefix: str) -> dict[str, Any]:
-    """A nested config as {dotted key: value}."""
-    if not isinstance(config, dict):
-        return {prefix: config}
-    flat = {}
-    for name, child in config.items():
-        flat.update(flat_settings(child, f"{prefix}.{name}"))
-    return flat
 
 
 def check_same_classes(data_names: list[str], run_names: list[str], ckpt_path: str | Path) -> None:

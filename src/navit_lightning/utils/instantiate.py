@@ -1,4 +1,5 @@
-"""Building Lightning objects from Hydra config groups."""
+"""Hydra configs: Lightning objects built from their groups, and their settings read as
+dotted keys."""
 
 from __future__ import annotations
 
@@ -13,3 +14,15 @@ def instantiate_group(group: DictConfig | None) -> list[Any]:
     if not group:
         return []
     return [hydra.utils.instantiate(entry) for entry in group.values() if entry and "_target_" in entry]
+
+
+def dotted_settings(node: dict | list, prefix: str = "") -> dict[str, Any]:
+    """A config as a container -> its leaf values by dotted key ("model.net.dim"; a list's
+    items by index, "tags.0")."""
+    flat = {}
+    for key, value in node.items() if isinstance(node, dict) else enumerate(node):
+        if isinstance(value, (dict, list)):
+            flat.update(dotted_settings(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -16,6 +16,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError
 from navit_lightning.utils.checkpoints import CKPT_PATH_EXAMPLE, LIGHTNING_CKPT_NAMES, read_checkpoint
+from navit_lightning.utils.instantiate import dotted_settings
 from navit_lightning.utils.schedules import check_lr_scaling
 
 GPU_ACCELERATORS = {"gpu", "cuda"}
@@ -97,22 +98,13 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
 def check_required(cfg: DictConfig) -> None:
     """Names every ??? left unset in one line, where OmegaConf would raise a traceback about
     the first one when it is read (data=imagefolder without data.root, eval.py without
-    ckpt_path)."""
-    missing = sorted(unset_keys(OmegaConf.to_container(cfg)))
+    ckpt_path). The container keeps interpolations unresolved: they may need Hydra's runtime,
+    which a composed config lacks."""
+    settings = dotted_settings(OmegaConf.to_container(cfg))
+    missing = sorted(key for key, value in settings.items() if value == MISSING)
     if missing:
-        settings = " ".join(f"{key}={REQUIRED_EXAMPLES.get(key, '<value>')}" for key in missing)
-        raise ConfigError(f"{' and '.join(missing)} must be set: add {settings} to the command")
-
-
-def unset_keys(node: object, prefix: str = "") -> Iterator[str]:
-    """The dotted keys of a config, as a container, whose value is ???. The container keeps
-    interpolations unresolved: they may need Hydra's runtime, which a composed config lacks."""
-    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-    for key, value in items:
-        if value == MISSING:
-            yield f"{prefix}{key}"
-        else:
-            yield from unset_keys(value, f"{prefix}{key}.")
+        examples = " ".join(f"{key}={REQUIRED_EXAMPLES.get(key, '<value>')}" for key in missing)
+        raise ConfigError(f"{' and '.join(missing)} must be set: add {examples} to the command")
 
 
 def cpu_has_bf16_instructions() -> bool:
