@@ -18,6 +18,7 @@ from navit_lightning.utils.checkpoints import (
     check_same_classes,
     check_same_network,
     data_for,
+    load_initial_weights,
     read_checkpoint,
 )
 from tests.conftest import DDP_TWO_RANKS, TINY_RUN, TINY_SHAPES, logged_scalars
@@ -40,21 +41,60 @@ def test_eval_and_predict_take_the_runs_data_with_what_the_command_changes(task,
     assert OmegaConf.to_container(data_for(cfg, run)) == {"_target_": "the.runs.DataModule", **expected}
 
 
-def test_resuming_another_network_is_refused_with_the_settings_that_differ(tmp_path):
-    def built(*overrides: str):
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-            cfg = compose("train", overrides=["model.num_classes=3", *overrides])
-        return hydra.utils.instantiate(cfg.model), cfg.model
+def built_model(*overrides: str):
+    """A LightningModule of the train config with `overrides`, and its model config."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=["model.net.dim=32", "model.net.heads=2", *overrides])
+    return hydra.utils.instantiate(cfg.model), cfg.model
 
-    model, config = built("model.net.dim=32", "model.net.heads=2")
+
+def test_resuming_another_network_is_refused_with_the_settings_that_differ(tmp_path):
+    model, config = built_model("model.num_classes=3")
     path = tmp_path / "last.ckpt"
     run_config = {"model": OmegaConf.to_container(config, resolve=True)}
     torch.save({"state_dict": model.state_dict(), "run_config": run_config}, path)
-    check_same_network(*built("model.net.dim=32", "model.net.heads=2", "optimizer.lr=1e-2"), path)
+    check_same_network(*built_model("model.num_classes=3", "optimizer.lr=1e-2"), path)
     with pytest.raises(
         ConfigError, match=re.escape("another network (model.net.dim=32 there, 64 here): resume")
     ):
-        check_same_network(*built("model.net.dim=64", "model.net.heads=2", "optimizer.lr=1e-2"), path)
+        check_same_network(*built_model("model.num_classes=3", "model.net.dim=64", "optimizer.lr=1e-2"), path)
+
+
+def test_init_from_loads_the_network_and_the_head_only_for_the_same_classes(tmp_path):
+    trained, config = built_model("model.num_classes=3")
+    path = tmp_path / "last.ckpt"
+    run_config = {"model": OmegaConf.to_container(config, resolve=True)}
+    torch.save(
+        {"state_dict": trained.state_dict(), "run_config": run_config, "class_names": ["a", "b", "c"]}, path
+    )
+
+    def same(one: torch.nn.Module, other: torch.nn.Module | dict) -> bool:
+        state, others = one.state_dict(), other if isinstance(other, dict) else other.state_dict()
+        return state.keys() == others.keys() and all(torch.equal(state[k], others[k]) for k in state)
+
+    for classes, head_loaded in [
+        (["a", "b", "c"], True),
+        (["a", "b", "z"], False),
+        (["a", "b", "c", "d"], False),
+    ]:
+        model, config = built_model(f"model.num_classes={len(classes)}", "optimizer.lr=1e-2")
+        new_head = {name: t.clone() for name, t in model.head.state_dict().items()}
+        assert not same(model.net, trained.net)
+        load_initial_weights(model, config, path, classes)
+        assert same(model.net, trained.net)
+        if head_loaded:
+            assert same(model.head, trained.head)
+        else:
+            assert same(model.head, new_head)
+
+    other, config = built_model("model.num_classes=4", "model.net.depth=2")
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "another network (model.net.depth=4 there, 2 here): start with the model.net settings"
+        ),
+    ):
+        load_initial_weights(other, config, path, ["a", "b", "c", "d"])
 
 
 def test_eval_on_a_data_group_takes_that_group(tmp_path):
@@ -129,6 +169,31 @@ def test_periodic_last_checkpoint_before_validation_then_ckpt_path_last_resumes(
     assert f"Restoring states from the checkpoint path at {run / 'checkpoints' / 'last.ckpt'}" in output
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["epoch"] == 1  # the second
     assert not list((run / "checkpoints").glob("last-*.ckpt"))
+
+
+@pytest.mark.slow
+def test_init_from_starts_from_the_runs_weights(run_entry_point):
+    short = [*TINY_RUN, "test=false", "patch_budgets=null"]
+    source = run_entry_point.root / "source"
+    run_entry_point("train.py", *short, f"hydra.run.dir={source}")
+    tuned = run_entry_point.root / "tuned"
+    # At learning rate 0 the fine-tuning run validates the source's final weights.
+    result = run_entry_point(
+        "train.py",
+        *short,
+        f"hydra.run.dir={tuned}",
+        f"init_from={source}/checkpoints/last.ckpt",
+        "optimizer.lr=0",
+    )
+    assert "loaded its network and head (the same classes)" in result.stdout + result.stderr
+    val_loss = [logged_scalars(run / "tensorboard")["val/loss"][-1][1] for run in (source, tuned)]
+    assert val_loss[1] == pytest.approx(val_loss[0], rel=1e-6)
+    fresh = run_entry_point(
+        "train.py", *short, f"hydra.run.dir={run_entry_point.root / 'fresh'}", "optimizer.lr=0"
+    )
+    assert logged_scalars(run_entry_point.root / "fresh" / "tensorboard")["val/loss"][-1][1] != pytest.approx(
+        val_loss[0], rel=1e-3
+    ), fresh.stdout[-2000:]
 
 
 @pytest.mark.slow

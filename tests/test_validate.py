@@ -63,6 +63,7 @@ def config(*overrides: str):
         (0, ["+optimizer.momentum=0.9"], "optimizer: AdamW.__init__() got an unexpected keyword argument"),
         (0, ["scheduler.warmup_steps=-1"], "scheduler.warmup_steps=-1 must be 0 (no warm-up) or more"),
         (0, ["scheduler.min_lr_ratio=1.5"], "scheduler.min_lr_ratio=1.5 is a share of the base rate"),
+        (0, ["init_from=nowhere.ckpt"], "init_from=nowhere.ckpt does not exist: pass a run's checkpoint"),
     ],
 )
 def test_refused(monkeypatch, gpus, overrides, message):

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from navit_lightning import CONFIG_DIR
 from navit_lightning.resolution import accuracy_across_budgets, report
 from navit_lightning.utils.callbacks import StoreRunConfig
-from navit_lightning.utils.checkpoints import check_same_network
+from navit_lightning.utils.checkpoints import check_same_network, load_initial_weights
 from navit_lightning.utils.entry_point import launch, log_config, run_task
 from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.shutdown import StopTogetherOnSigterm, explain_collective_failure
@@ -85,6 +85,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     ckpt_path = resume_from(cfg.get("ckpt_path"), trainer) if cfg.train else None
     if ckpt_path is not None:
         check_same_network(model, cfg.model, ckpt_path)
+    elif cfg.train and cfg.get("init_from") is not None:
+        load_initial_weights(model, cfg.model, cfg.init_from, datamodule.class_names())
     with explain_collective_failure(trainer):
         if cfg.train:
             trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)

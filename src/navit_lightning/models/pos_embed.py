@@ -28,8 +28,8 @@ class FactorizedPosEmbed(nn.Module):
         GPU: the LightningModule calls it on the host batch, before the copy."""
         if not self.fractional and coords.numel() and int(coords.max()) >= self.max_grid:
             raise ConfigError(
-                f"an image is {int(coords.max()) + 1} patches long but model.max_grid="
-                f"{self.max_grid}: raise model.max_grid or lower data.max_patches (or patch_budgets)"
+                f"an image is {int(coords.max()) + 1} patches long but model.net.max_grid="
+                f"{self.max_grid}: raise model.net.max_grid or lower data.max_patches (or patch_budgets)"
             )
 
     def forward(self, coords: torch.Tensor, token_grid: torch.Tensor) -> torch.Tensor:

@@ -94,26 +94,27 @@ class ResumeCheckpoint(ModelCheckpoint):
             )
 
 
-def read_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
+def read_checkpoint(ckpt_path: str | Path, key: str = "ckpt_path") -> dict[str, Any]:
     """A whole checkpoint of this project's train.py (memory-mapped), or a ConfigError whose
-    one line names the fix: missing, truncated (a kill during a copy), or another program's."""
+    one line names the fix: missing, truncated (a kill during a copy), or another program's.
+    `key`: the setting that named the file, as the line shows it."""
     path = Path(ckpt_path)
     if not path.is_file():
         raise ConfigError(
-            f"ckpt_path={path} does not exist: pass a run's checkpoint, e.g. "
-            f"{CKPT_PATH_EXAMPLE} (train.py also takes ckpt_path=last)"
+            f"{key}={path} does not exist: pass a run's checkpoint, e.g. {CKPT_PATH_EXAMPLE}"
+            + (" (train.py also takes ckpt_path=last)" if key == "ckpt_path" else "")
         )
     try:
         with zipfile.ZipFile(path) as archive:
             broken = archive.testzip()
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # torch and zipfile raise many kinds for a damaged file
-        raise ConfigError(f"ckpt_path={path} cannot be read ({error}): it is truncated or damaged") from None
+        raise ConfigError(f"{key}={path} cannot be read ({error}): it is truncated or damaged") from None
     if broken is not None:
-        raise ConfigError(f"ckpt_path={path} is damaged ({broken} fails its check): use another checkpoint")
+        raise ConfigError(f"{key}={path} is damaged ({broken} fails its check): use another checkpoint")
     if not isinstance(checkpoint, dict) or not {"state_dict", "run_config"} <= checkpoint.keys():
         raise ConfigError(
-            f"ckpt_path={path} is not a checkpoint of navit_lightning's train.py (no state_dict and "
+            f"{key}={path} is not a checkpoint of navit_lightning's train.py (no state_dict and "
             "run_config): pass one from logs/<task>/runs/<run>/checkpoints/"
         )
     return checkpoint
@@ -135,17 +136,44 @@ def check_same_network(model: torch.nn.Module, model_config: DictConfig, ckpt_pa
     checkpoint = read_checkpoint(ckpt_path)
     if tensor_shapes(checkpoint["state_dict"]) == tensor_shapes(model.state_dict()):
         return
-    saved = network_settings(checkpoint["run_config"].get("model", {}))
-    now = network_settings(OmegaConf.to_container(model_config, resolve=True))
-    changed = [
-        f"{key}={saved.get(key)} there, {now.get(key)} here"
-        for key in sorted(saved.keys() | now.keys())
-        if saved.get(key) != now.get(key)
-    ]
     raise ConfigError(
-        f"ckpt_path={ckpt_path} holds another network ({'; '.join(changed) or 'other tensors'}): "
+        f"ckpt_path={ckpt_path} holds another network "
+        f"({setting_changes(checkpoint, model_config, 'model.')}): "
         "resume with the settings it was trained with, or leave ckpt_path out to start afresh"
     )
+
+
+def load_initial_weights(
+    model: torch.nn.Module, model_config: DictConfig, init_from: str | Path, class_names: list[str]
+) -> None:
+    """Fine-tuning: `model`'s network (model.net) takes the weights of another run's
+    checkpoint, and its head too where that run had the same head over the same classes;
+    otherwise the head stays newly initialised. The optimizer, schedule and step start afresh
+    (ckpt_path resumes them). A network of other shapes is refused, naming the settings."""
+    checkpoint = read_checkpoint(init_from, key="init_from")
+    saved = checkpoint["state_dict"]
+    parts = {name: part_state(saved, name) for name in ("net", "head")}
+    if tensor_shapes(parts["net"]) != tensor_shapes(model.net.state_dict()):
+        raise ConfigError(
+            f"init_from={init_from} holds another network "
+            f"({setting_changes(checkpoint, model_config, 'model.net.')}): "
+            "start with the model.net settings it was trained with"
+        )
+    model.net.load_state_dict(parts["net"])
+    same_head = tensor_shapes(parts["head"]) == tensor_shapes(model.head.state_dict())
+    if same_head and checkpoint.get("class_names") == class_names:
+        model.head.load_state_dict(parts["head"])
+        loaded = "its network and head (the same classes)"
+    else:
+        loaded = f"its network, with a new head for this data's {len(class_names)} classes"
+    rank_zero_info(f"init_from={init_from}: loaded {loaded}; the optimizer, schedule and step start afresh")
+
+
+def part_state(state: dict[str, torch.Tensor], part: str) -> dict[str, torch.Tensor]:
+    """The entries of a submodule (`net`) in a LightningModule's state_dict, named as in the
+    submodule's own."""
+    prefix = f"{part}."
+    return {name.removeprefix(prefix): tensor for name, tensor in state.items() if name.startswith(prefix)}
 
 
 def tensor_shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
@@ -156,10 +184,17 @@ def tensor_shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
 TRAINING_SETTINGS = ("model.optimizer", "model.scheduler", "model.lr_")
 
 
-def network_settings(model_config: dict[str, Any]) -> dict[str, Any]:
-    """A model config as {dotted key: value}, without the optimizer's and schedule's."""
-    flat = dotted_settings(model_config, "model.")
-    return {key: value for key, value in flat.items() if not key.startswith(TRAINING_SETTINGS)}
+def setting_changes(checkpoint: dict[str, Any], model_config: DictConfig, within: str) -> str:
+    """'model.net.dim=32 there, 64 here; ...': the settings under `within` (the optimizer's
+    and schedule's left out) in which a checkpoint's run and this one differ."""
+    saved = dotted_settings(checkpoint["run_config"].get("model", {}), "model.")
+    now = dotted_settings(OmegaConf.to_container(model_config, resolve=True), "model.")
+    changed = [
+        f"{key}={saved.get(key)} there, {now.get(key)} here"
+        for key in sorted(saved.keys() | now.keys())
+        if key.startswith(within) and not key.startswith(TRAINING_SETTINGS) and saved.get(key) != now.get(key)
+    ]
+    return "; ".join(changed) or "other tensors"
 
 
 def check_same_classes(data_names: list[str], run_names: list[str], ckpt_path: str | Path) -> None:

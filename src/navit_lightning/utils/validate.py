@@ -93,6 +93,8 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
         ckpt_path = cfg.get("ckpt_path")
         if ckpt_path is not None and ckpt_path not in LIGHTNING_CKPT_NAMES:
             read_checkpoint(ckpt_path)
+        if cfg.get("init_from") is not None:
+            read_checkpoint(cfg.init_from, key="init_from")
 
 
 def check_required(cfg: DictConfig) -> None:
