@@ -1,5 +1,6 @@
 """Settings this machine cannot run are refused before any process starts, with one line."""
 
+import os
 import re
 
 import hydra
@@ -120,6 +121,34 @@ def test_eval_and_predict_refuse_what_they_miss(task, overrides, message):
 def test_allowed(monkeypatch, gpus, overrides):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     check_launch(config(*overrides))
+
+
+@pytest.mark.parametrize(
+    ("launcher", "refused"),
+    [
+        ({}, True),
+        ({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "NODE_RANK": "1"}, False),
+        ({"TORCHELASTIC_RUN_ID": "myrun", "RANK": "0", "LOCAL_RANK": "0"}, False),  # torchrun
+        ({"SLURM_NTASKS": "8", "SLURM_JOB_NAME": "train"}, False),
+    ],
+    ids=["none", "by hand", "torchrun", "slurm"],
+)
+def test_nodes_without_a_meeting_point_are_refused(monkeypatch, launcher, refused):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    for name in ("MASTER_ADDR", "TORCHELASTIC_RUN_ID", "LSB_JOBID"):
+        monkeypatch.delenv(name, raising=False)
+    for name in [name for name in os.environ if name.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
+    cfg = config("strategy=ddp", "trainer.devices=4", "trainer.num_nodes=2")
+    if refused:
+        with pytest.raises(
+            ConfigError, match=r"num_nodes=2 but no launcher \(torchrun, SLURM\) and no MASTER_ADDR"
+        ):
+            check_launch(cfg)
+    else:
+        check_launch(cfg)
 
 
 @pytest.mark.parametrize(("amx", "avx512_bf16"), [(False, False), (True, False), (False, True)])

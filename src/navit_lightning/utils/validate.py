@@ -3,12 +3,19 @@ otherwise fail deep inside Lightning or torch (or silently do something else).""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import hydra
 import torch
+from lightning.fabric.plugins.environments import (
+    LSFEnvironment,
+    MPIEnvironment,
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+)
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -33,6 +40,13 @@ REQUIRED_EXAMPLES = {
     "ckpt_path": CKPT_PATH_EXAMPLE,
     "input": "<an image file or a folder of images>",
 }
+# The launchers Lightning takes the nodes' meeting point from (its cluster environments).
+NODE_LAUNCHERS = (
+    SLURMEnvironment,
+    TorchElasticEnvironment,
+    LSFEnvironment,
+    MPIEnvironment,
+)
 
 
 def check_launch(cfg: DictConfig, training: bool = True) -> None:
@@ -71,6 +85,7 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
         )
     if is_dp(trainer.strategy):
         check_dp(cfg, on_gpu)
+    check_nodes_can_meet(trainer.num_nodes)
     if trainer.get("reload_dataloaders_every_n_epochs", 1) != 1:
         raise ConfigError(
             f"trainer.reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs}: "
@@ -204,6 +219,19 @@ def check_strategy_name(strategy: object) -> None:
 
 def is_dp(strategy: object) -> bool:
     return isinstance(strategy, DictConfig) and strategy.get("_target_") == DP_TARGET
+
+
+def check_nodes_can_meet(num_nodes: int) -> None:
+    """Nodes started without a launcher meet at MASTER_ADDR, which Lightning takes to be
+    127.0.0.1 where it is unset: each node would wait for the others startup_timeout_s (600 s)
+    without a word, then end."""
+    if num_nodes <= 1 or "MASTER_ADDR" in os.environ or any(env.detect() for env in NODE_LAUNCHERS):
+        return
+    raise ConfigError(
+        f"trainer.num_nodes={num_nodes} but no launcher (torchrun, SLURM) and no MASTER_ADDR tells the "
+        "nodes where to meet: start each node under torchrun or srun, or as MASTER_ADDR=<node 0's "
+        "address> MASTER_PORT=29500 NODE_RANK=<i> python train.py ... (README: Beyond one machine)"
+    )
 
 
 def check_dp(cfg: DictConfig, on_gpu: bool) -> None:
