@@ -122,6 +122,25 @@ def test_ddp_on_cpu_with_the_default_callbacks(run_entry_point, strategy, device
     assert_written_once_by_rank_zero(run, ranks=devices)
 
 
+def test_early_stopping_stops_every_ddp_rank_after_the_same_epoch(run_entry_point):
+    """No val/acc can rise by 2: the first validation sets the best, the second stops."""
+    result = run_entry_point(
+        "train.py",
+        *TINY_RUN,
+        *DDP_TWO_RANKS,
+        "callbacks=early_stopping",
+        "callbacks.early_stopping.patience=1",
+        "callbacks.early_stopping.min_delta=2",
+        "trainer.max_epochs=4",
+    )
+    run = only((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    assert_written_once_by_rank_zero(run)
+    output = result.stdout + result.stderr
+    stopped = "Monitored metric val/acc did not improve in the last 1 records"
+    assert f"[rank: 0] {stopped}" in output and f"[rank: 1] {stopped}" not in output, output[-3000:]
+    assert len(logged_scalars(run / "tensorboard")["val/acc"]) == 2  # of trainer.max_epochs=4
+
+
 def test_torchrun_two_processes_on_cpu(run_entry_point):
     """Lightning detects torchrun's environment and runs ddp in the processes it started;
     they agree on one run folder (rank 0's clock) and rank 1 writes no log or .hydra."""
