@@ -40,7 +40,8 @@ REQUIRED_EXAMPLES = {
     "ckpt_path": CKPT_PATH_EXAMPLE,
     "input": "<an image file or a folder of images>",
 }
-# The launchers Lightning takes the nodes' meeting point from (its cluster environments).
+# The launchers Lightning detects and takes the nodes' meeting point from (its cluster
+# environments; Kubeflow's sets MASTER_ADDR).
 NODE_LAUNCHERS = (
     SLURMEnvironment,
     TorchElasticEnvironment,
