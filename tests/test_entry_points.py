@@ -7,6 +7,7 @@ import sys
 import hydra
 import numpy as np
 import pytest
+import torch
 
 from tests.conftest import DDP_TWO_RANKS, TINY_RUN, logged_scalars
 from tests.test_configs import compose_train
@@ -139,6 +140,24 @@ def test_early_stopping_stops_every_ddp_rank_after_the_same_epoch(run_entry_poin
     stopped = "Monitored metric val/acc did not improve in the last 1 records"
     assert f"[rank: 0] {stopped}" in output and f"[rank: 1] {stopped}" not in output, output[-3000:]
     assert len(logged_scalars(run / "tensorboard")["val/acc"]) == 2  # of trainer.max_epochs=4
+
+
+def test_ema_weights_are_saved_and_tested_as_eval_py_tests_them(run_entry_point):
+    """callbacks=ema on 2 ddp ranks: the checkpoints hold the average (the trained weights
+    beside it, for a resume), and train.py's test of the best checkpoint reads what eval.py
+    reads there (Lightning's own callback tested the trained weights)."""
+    run_entry_point("train.py", *TINY_RUN, *DDP_TWO_RANKS, "callbacks=ema", "callbacks.ema.decay=0.9")
+    run = only((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    assert_written_once_by_rank_zero(run)
+    best = only((run / "checkpoints").glob("epoch_*.ckpt"))
+    checkpoint = torch.load(best, weights_only=True)
+    average, trained = checkpoint["state_dict"], checkpoint["current_model_state"]
+    assert average.keys() == trained.keys()
+    assert not all(torch.equal(average[name], trained[name]) for name in average)
+    tested = logged_scalars(run / "tensorboard")["test/loss"][-1][1]
+    run_entry_point("eval.py", f"ckpt_path={best}")
+    evaluation = only((run_entry_point.root / "logs" / "eval" / "runs").iterdir())
+    assert logged_scalars(evaluation / "tensorboard")["test/loss"][-1][1] == pytest.approx(tested, rel=1e-5)
 
 
 def test_torchrun_two_processes_on_cpu(run_entry_point):

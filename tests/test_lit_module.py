@@ -1,5 +1,6 @@
 """The classifier around NaViT: a head over the real images only, and filler batches."""
 
+import pickle
 import warnings
 from functools import partial
 
@@ -9,6 +10,7 @@ import torch
 
 from navit_lightning.batch import PackedBatch, PackedShape, image_index
 from navit_lightning.data.packing import pack
+from navit_lightning.errors import ConfigError
 from navit_lightning.lit_module import NaViTClassifier, image_loss
 from navit_lightning.models import NaViT
 from navit_lightning.utils.schedules import warmup_cosine
@@ -181,3 +183,19 @@ def test_lr_scaling_carries_the_rate_to_the_effective_batch_before_the_schedule(
     assert [group["initial_lr"] for group in trainer.optimizers[0].param_groups] == pytest.approx(
         [1e-3 * 8**exponent] * 2
     )
+
+
+def test_the_ema_update_lerps_floats_copies_counts_and_pickles():
+    from navit_lightning.utils.callbacks import EMAWeights, ema_update
+
+    averages = [torch.zeros(3), torch.ones(2, dtype=torch.float64)]
+    ema_update(0.25, averages, [torch.full((3,), 4.0), torch.full((2,), 3.0, dtype=torch.float64)], None)
+    assert torch.equal(averages[0], torch.full((3,), 1.0))  # 0 + 0.25 * (4 - 0)
+    assert torch.equal(averages[1], torch.full((2,), 1.5, dtype=torch.float64))
+    counts = [torch.tensor(7)]
+    ema_update(0.25, counts, [torch.tensor(12)], None)
+    assert counts[0].item() == 12
+    restored = pickle.loads(pickle.dumps(EMAWeights(decay=0.9)))  # ddp_spawn sends it to the ranks
+    assert restored._kwargs["multi_avg_fn"].args == (pytest.approx(0.1),)
+    with pytest.raises(ConfigError, match=r"callbacks.ema.decay=1 must be in \[0, 1\)"):
+        EMAWeights(decay=1)

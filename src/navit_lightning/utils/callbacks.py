@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.callbacks import ThroughputMonitor, WeightAveraging
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from navit_lightning.errors import ConfigError
 from navit_lightning.utils.host_memory import keep_freed_memory
 
 
@@ -34,6 +37,46 @@ class KeepFreedHostMemory(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if trainer.strategy.root_device.type == "cpu":
             keep_freed_memory()
+
+
+def ema_update(weight: float, averages: list[torch.Tensor], currents: list[torch.Tensor], _: Any) -> None:
+    """average += weight * (current - average), over a group of tensors of one dtype and device
+    (AveragedModel's multi_avg_fn). Integer buffers (BatchNorm's batch count) take the current
+    value."""
+    if averages[0].is_floating_point():
+        torch._foreach_lerp_(averages, currents, weight)
+    else:
+        torch._foreach_copy_(averages, currents)
+
+
+class EMAWeights(WeightAveraging):
+    """An exponential moving average of the weights (and buffers), updated after every
+    optimizer step, used by fit's validations and written as every checkpoint's state_dict
+    (the trained weights beside it, for a resume): eval.py, predict.py and init_from take the
+    average. Unlike Lightning's EMAWeightAveraging:
+    - it acts in fit only. After fit, train.py tests and sweeps the patch budgets on the best
+      checkpoint, where Lightning's callback loaded that checkpoint's trained weights in place
+      of its average and swapped its last average in for each budget's validation: here those
+      figures are the checkpoint's, as eval.py gives them;
+    - it pickles (a partial, not a closure), as ddp_spawn needs;
+    - one foreach lerp a step, not a new tensor per parameter."""
+
+    def __init__(self, decay: float = 0.999) -> None:
+        if not 0 <= decay < 1:
+            raise ConfigError(f"callbacks.ema.decay={decay} must be in [0, 1): e.g. 0.999")
+        super().__init__(multi_avg_fn=partial(ema_update, 1 - decay))
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            super().on_load_checkpoint(trainer, pl_module, checkpoint)
+
+    def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            super().on_validation_epoch_start(trainer, pl_module)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.FITTING:
+            super().on_validation_epoch_end(trainer, pl_module)
 
 
 class PackedThroughputMonitor(ThroughputMonitor):
