@@ -15,8 +15,8 @@ from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError
 from navit_lightning.utils.checkpoints import (
     AtomicCheckpointIO,
+    check_resumable,
     check_same_classes,
-    check_same_network,
     data_for,
     load_initial_weights,
     read_checkpoint,
@@ -48,16 +48,24 @@ def built_model(*overrides: str):
     return hydra.utils.instantiate(cfg.model), cfg.model
 
 
-def test_resuming_another_network_is_refused_with_the_settings_that_differ(tmp_path):
+def test_resuming_another_network_or_an_ema_run_without_ema_is_refused(tmp_path):
     model, config = built_model("model.num_classes=3")
     path = tmp_path / "last.ckpt"
     run_config = {"model": OmegaConf.to_container(config, resolve=True)}
     torch.save({"state_dict": model.state_dict(), "run_config": run_config}, path)
-    check_same_network(*built_model("model.num_classes=3", "optimizer.lr=1e-2"), path)
+    check_resumable(*built_model("model.num_classes=3", "optimizer.lr=1e-2"), path, averaging=False)
     with pytest.raises(
         ConfigError, match=re.escape("another network (model.net.dim=32 there, 64 here): resume")
     ):
-        check_same_network(*built_model("model.num_classes=3", "model.net.dim=64", "optimizer.lr=1e-2"), path)
+        check_resumable(
+            *built_model("model.num_classes=3", "model.net.dim=64", "optimizer.lr=1e-2"), path, averaging=True
+        )
+    averaged = tmp_path / "ema.ckpt"
+    state = model.state_dict()
+    torch.save({"state_dict": state, "current_model_state": state, "run_config": run_config}, averaged)
+    check_resumable(model, config, averaged, averaging=True)
+    with pytest.raises(ConfigError, match=r"was written with callbacks=ema \(its weights are the average\)"):
+        check_resumable(model, config, averaged, averaging=False)
 
 
 def test_init_from_loads_the_network_and_the_head_only_for_the_same_classes(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 import hydra
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import WeightAveraging
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -15,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from navit_lightning import CONFIG_DIR
 from navit_lightning.resolution import accuracy_across_budgets, report
 from navit_lightning.utils.callbacks import StoreRunConfig
-from navit_lightning.utils.checkpoints import check_same_network, load_initial_weights
+from navit_lightning.utils.checkpoints import check_resumable, load_initial_weights
 from navit_lightning.utils.entry_point import launch, log_config, run_task
 from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.shutdown import StopTogetherOnSigterm, explain_collective_failure
@@ -84,7 +85,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     )
     ckpt_path = resume_from(cfg.get("ckpt_path"), trainer) if cfg.train else None
     if ckpt_path is not None:
-        check_same_network(model, cfg.model, ckpt_path)
+        averaging = any(isinstance(callback, WeightAveraging) for callback in trainer.callbacks)
+        check_resumable(model, cfg.model, ckpt_path, averaging)
     elif cfg.train and cfg.get("init_from") is not None:
         load_initial_weights(model, cfg.model, cfg.init_from, datamodule.class_names())
     with explain_collective_failure(trainer):

@@ -129,18 +129,25 @@ def load_training_run(ckpt_path: str | Path) -> tuple[DictConfig, list[str]]:
     return run, list(names)
 
 
-def check_same_network(model: torch.nn.Module, model_config: DictConfig, ckpt_path: str | Path) -> None:
-    """A run resumed with other network settings would fail in every rank, once launched, on
-    a page of size mismatches when Lightning loads the weights: refused here, naming the
-    settings that differ."""
+def check_resumable(
+    model: torch.nn.Module, model_config: DictConfig, ckpt_path: str | Path, averaging: bool
+) -> None:
+    """Refused here with one line, before launch: a checkpoint of another network (Lightning
+    would fail in every rank on a page of size mismatches), and one written with callbacks=ema
+    resumed without an averaging callback (Lightning would carry on from the average, which
+    the checkpoint holds as its weights, and drop the trained weights saved beside it)."""
     checkpoint = read_checkpoint(ckpt_path)
-    if tensor_shapes(checkpoint["state_dict"]) == tensor_shapes(model.state_dict()):
-        return
-    raise ConfigError(
-        f"ckpt_path={ckpt_path} holds another network "
-        f"({setting_changes(checkpoint, model_config, 'model.')}): "
-        "resume with the settings it was trained with, or leave ckpt_path out to start afresh"
-    )
+    if tensor_shapes(checkpoint["state_dict"]) != tensor_shapes(model.state_dict()):
+        raise ConfigError(
+            f"ckpt_path={ckpt_path} holds another network "
+            f"({setting_changes(checkpoint, model_config, 'model.')}): "
+            "resume with the settings it was trained with, or leave ckpt_path out to start afresh"
+        )
+    if "current_model_state" in checkpoint and not averaging:
+        raise ConfigError(
+            f"ckpt_path={ckpt_path} was written with callbacks=ema (its weights are the average): "
+            "resume with callbacks=ema, which carries on from the trained weights saved beside it"
+        )
 
 
 def load_initial_weights(
