@@ -61,9 +61,9 @@ class EMAWeights(WeightAveraging):
     - it pickles (a partial, not a closure), as ddp_spawn needs;
     - one foreach lerp a step, not a new tensor per parameter."""
 
-    def __init__(self, decay: float = 0.999) -> None:
+    def __init__(self, decay: float = 0.995) -> None:
         if not 0 <= decay < 1:
-            raise ConfigError(f"callbacks.ema.decay={decay} must be in [0, 1): e.g. 0.999")
+            raise ConfigError(f"callbacks.ema.decay={decay} must be in [0, 1): e.g. 0.995")
         super().__init__(multi_avg_fn=partial(ema_update, 1 - decay))
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
