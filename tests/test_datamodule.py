@@ -7,11 +7,13 @@ import sys
 import time
 from pathlib import Path
 
+import hydra
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
 from navit_lightning.batch import PackedBatch
+from navit_lightning.bench import train_config
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.data.workers import WORKER_MODULES
 from navit_lightning.utils.shutdown import descendants
@@ -47,6 +49,22 @@ def test_a_flat_folder_is_split_by_seed_and_every_image_is_batched_once(project_
     batches = list(datamodule.val_dataloader())
     assert all(isinstance(batch, PackedBatch) for batch in batches)
     assert sum(batch.num_images for batch in batches) == len(splits[0])
+
+
+def test_the_held_out_split_follows_split_seed_not_the_runs_seed(project_root, tmp_path):
+    """Runs of a seed sweep, and eval.py (seed 42) on a run of seed 7, hold out the same
+    images; a checkpoint from before split_seed (None) holds out by its seed, as it did."""
+    shutil.copytree(project_root / "data" / "shapes" / "train", tmp_path / "images")
+
+    def held_out(*overrides: str) -> list[str]:
+        cfg = train_config(["data=imagefolder", f"data.root={tmp_path / 'images'}", *overrides])
+        datamodule = hydra.utils.instantiate(cfg.data, num_workers=0)
+        datamodule.setup("fit")
+        return datamodule.datasets["val"].images.paths.tolist()
+
+    assert held_out("seed=7") == held_out("seed=42")
+    assert held_out("data.split_seed=1") != held_out()
+    assert held_out("data.split_seed=null", "seed=1") == held_out("data.split_seed=1")
 
 
 def test_batches_deliver_exactly_the_planned_sizes(project_root):

@@ -68,7 +68,7 @@ class PackedImageDataModule(L.LightningDataModule):
     """Class-folder images at native resolution, packed into fixed-shape token batches.
 
     `root` holds <class>/ folders, or train/ and val/ (and optionally test/) each holding them;
-    without val/ a seeded `val_fraction` of the images is held out. With `generate` set, the
+    without val/ a `val_fraction` of the images is held out, drawn by `split_seed`. With `generate` set, the
     built-in shapes set is written to `root` first (once, on one process per node).
     Every image's size comes from the folder's manifest (data/index.py), brought up to date
     on one process per node; it lies in `root`, or in `index_dir` if given. With `shards`,
@@ -94,6 +94,7 @@ class PackedImageDataModule(L.LightningDataModule):
         multiprocessing_context: str | None = "forkserver",
         pin_memory: bool = True,
         seed: int = 0,
+        split_seed: int | None = None,
         generate: shapes.ShapesSpec | None = None,
         index_dir: str | None = None,
         shards: bool = False,
@@ -137,6 +138,9 @@ class PackedImageDataModule(L.LightningDataModule):
         self.multiprocessing_context = multiprocessing_context
         self.pin_memory = pin_memory
         self.seed = seed
+        # None: `seed`, as every run did before split_seed existed (their checkpoints hold no
+        # split_seed, and eval.py must hold out the same images from them)
+        self.split_seed = seed if split_seed is None else split_seed
         self.generate = generate
         self.index_dir = index_dir
         self.shards = shards
@@ -215,7 +219,7 @@ class PackedImageDataModule(L.LightningDataModule):
                 )
             splits[folder or "train"] = images  # a flat root: the train split
         if "val" not in splits:
-            splits["train"], splits["val"] = hold_out(splits["train"], self.val_fraction, self.seed)
+            splits["train"], splits["val"] = hold_out(splits["train"], self.val_fraction, self.split_seed)
         for name, images in splits.items():
             if not len(images.labels):
                 raise DataError(f"no readable images for the {name} split under {self.root}")
