@@ -62,6 +62,24 @@ def test_batchnorm_head_counts_only_the_real_images():
     torch.testing.assert_close(norm.running_mean, momentum * expected_mean.detach(), atol=1e-6, rtol=0)
 
 
+def test_batchnorm_head_trains_on_a_batch_of_one_image_with_its_running_statistics():
+    """An epoch's last batch can hold one image, which has no batch statistics: BatchNorm
+    raised, and a resumed run raised again at the same batch of the same plan."""
+    model = make_model("bn_mlp").train()
+    norm = model.head[1]
+    norm.running_mean.uniform_(-1, 1)
+    norm.running_var.uniform_(0.5, 2)
+    running = (norm.running_mean.clone(), norm.running_var.clone())
+    batch = make_batch(images=1)
+    with pytest.warns(UserWarning, match="self.log"):  # no Trainer here to log to
+        model.training_step(batch, 0).backward()
+    torch.testing.assert_close((norm.running_mean, norm.running_var), running)
+    assert norm.weight.grad is not None and norm.weight.grad.any()
+    # the same output as in evaluation, where the running statistics normalise every image
+    logits = model(batch)
+    torch.testing.assert_close(logits, model.eval()(batch))
+
+
 @pytest.mark.parametrize("head", ["linear", "bn_mlp"])
 @pytest.mark.parametrize("attention", ["sdpa", "segments"])
 def test_an_all_padding_filler_batch_gives_zero_loss_and_a_gradient_to_every_parameter(head, attention):
