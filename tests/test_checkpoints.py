@@ -352,3 +352,10 @@ def test_a_run_killed_in_a_later_epoch_resumes_exactly(run_entry_point):
     run_entry_point("train.py", *command, f"hydra.run.dir={stopped}", "ckpt_path=last")
     resumed = losses_logged_since(stopped, first_events)
     assert resumed == [(step, loss) for step, loss in expected["train/loss_step"] if step >= 10]
+    # the best accuracy over both epochs, not over the epoch after the resume
+    resumed_best = [
+        value
+        for events in sorted(set((stopped / "tensorboard").iterdir()) - first_events)
+        for value in logged_scalars(events).get("val/acc_best", [])
+    ]
+    assert resumed_best == expected["val/acc_best"][-1:]

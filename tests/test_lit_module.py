@@ -51,6 +51,19 @@ def test_coordinates_past_the_table_are_refused_on_the_host_before_the_copy():
         model.on_before_batch_transfer(make_batch(), 0)
 
 
+def test_the_best_val_accuracy_carries_over_a_resume():
+    """Its metric state is not in the state_dict: a resumed run took the best since the
+    resume for val/acc_best (and for hp/val_acc and a sweep's objective)."""
+    model = make_model("linear")
+    model.val_acc_best(torch.tensor(0.9))
+    checkpoint: dict = {}
+    model.on_save_checkpoint(checkpoint)
+    resumed = make_model("linear")
+    resumed.on_load_checkpoint(checkpoint)
+    resumed.val_acc_best(torch.tensor(0.5))
+    assert resumed.val_acc_best.compute().item() == pytest.approx(0.9)
+
+
 def test_batchnorm_head_counts_only_the_real_images():
     model = make_model("bn_mlp").train()
     batch = make_batch()

@@ -215,6 +215,15 @@ class NaViTClassifier(L.LightningModule):
             self.val_confusion_matrix = self.val_confusion.compute()
         self.val_confusion.reset()
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # A metric's state is not in the state_dict: a resumed run's val/acc_best (train.py's
+        # hp/val_acc, the value a sweep optimises) would be the best since the resume.
+        checkpoint["val_acc_best"] = float(self.val_acc_best.max_value)
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if "val_acc_best" in checkpoint:  # not in checkpoints from before it was kept
+            self.val_acc_best.max_value.fill_(checkpoint["val_acc_best"])
+
     def configure_optimizers(self) -> dict:
         optimizer = self.optimizer_factory(params=parameter_groups(self))
         self._scale_learning_rate(optimizer)
