@@ -1,5 +1,5 @@
-"""python train.py -m hparams_search=optuna: a study of short trials, with 2-rank ddp trials,
-and continued after a crash."""
+"""python train.py -m: a sweep with a refused job; hparams_search=optuna: a study of short
+trials, with 2-rank ddp trials, and continued after a crash."""
 
 import pytest
 from omegaconf import OmegaConf
@@ -17,6 +17,29 @@ def study_folder(run_entry_point):
 
 def results(run_entry_point) -> dict:
     return OmegaConf.to_container(OmegaConf.load(study_folder(run_entry_point) / "optimization_results.yaml"))
+
+
+def test_a_refused_job_fails_alone_and_the_sweep_runs_the_others(run_entry_point):
+    """A refusal ended the process (SystemExit) at the job: the jobs after it never ran.
+    Hydra now records it as failed, runs the rest, and ends naming it, in one line."""
+    result = run_entry_point(
+        "train.py",
+        "-m",
+        "optimizer.lr=-1,1e-3",
+        *TINY_RUN,
+        "test=false",
+        "patch_budgets=null",
+        check=False,
+        env={"HYDRA_FULL_ERROR": "0"},
+    )
+    assert result.returncode == 1
+    assert (result.stdout + result.stderr).count("error: optimizer: Invalid learning rate: -1") == 1
+    end = result.stderr.splitlines()
+    failed = next(i for i, line in enumerate(end) if line.startswith("Error executing job with overrides:"))
+    assert end[failed].startswith("Error executing job with overrides: ['optimizer.lr=-1'")
+    assert end[failed + 1] == "optimizer: Invalid learning rate: -1"  # not a traceback
+    sweep = next((run_entry_point.root / "logs" / "train" / "multiruns").iterdir())
+    assert (sweep / "1" / "checkpoints" / "last.ckpt").is_file()
 
 
 @pytest.mark.parametrize("ranks", [[], DDP_TWO_RANKS], ids=["one", "ddp"])

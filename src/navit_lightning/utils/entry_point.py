@@ -10,7 +10,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from hydra.errors import InstantiationException
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException, InstantiationException
+from hydra.types import RunMode
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
@@ -76,16 +78,25 @@ def drop_lightning_adverts(record: logging.LogRecord) -> bool:
     return "litlogger" not in message and "litmodels" not in message
 
 
+class JobRefused(CompactHydraException):
+    """A refused job of a sweep: Hydra records it as failed, runs the sweep's other jobs, and
+    at the end names the job and prints this one line (exit code 1)."""
+
+
 @contextmanager
 def refuse_bad_input() -> Iterator[None]:
     """Turn a DataError (bad data.root, a class folder without images, ...), a ConfigError (a
     GPU-only setting on CPU, ...) or the Trainer's refusal of an argument (trainer.devices=0)
-    into one line on the console and exit code 2, instead of a traceback. Hydra wraps what a
+    into one line on the console and exit code 2, instead of a traceback; in a sweep (-m),
+    into a failed job, where SystemExit would end the sweep at it. Hydra wraps what a
     constructor raises: the cause is what counts."""
     try:
         yield
     except (DataError, ConfigError, InstantiationException) as error:
-        logging.getLogger("navit_lightning").error("error: %s", refusal(error))
+        message = refusal(error)
+        logging.getLogger("navit_lightning").error("error: %s", message)
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise JobRefused(message) from None
         raise SystemExit(2) from None
 
 
