@@ -64,6 +64,13 @@ def test_train_then_eval_reports_accuracy(run_entry_point):
     accuracy = re.search(r"test accuracy: ([0-9.]+)", result.stdout + result.stderr)
     assert accuracy and 0.0 <= float(accuracy.group(1)) <= 1.0
 
+    # train=false tests the checkpoint it is given (it tested the initial weights)
+    tested = run_entry_point(
+        "train.py", *TINY_RUN, "train=false", f"ckpt_path={run}/checkpoints/last.ckpt", "patch_budgets=null"
+    )
+    test_acc = re.search(r"test/acc\s+│\s+([0-9.]+)", tested.stdout)
+    assert test_acc and float(test_acc.group(1)) == pytest.approx(float(accuracy.group(1)), abs=5e-5)
+
     # The same network on another folder of images.
     images = run_entry_point.root / "data" / "shapes" / "val"
     result = run_entry_point(

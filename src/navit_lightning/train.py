@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning import CONFIG_DIR
+from navit_lightning.errors import ConfigError
 from navit_lightning.resolution import accuracy_across_budgets, report
 from navit_lightning.utils.callbacks import StoreRunConfig
 from navit_lightning.utils.checkpoints import check_resumable, load_initial_weights
@@ -83,9 +84,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
     rank_zero_info(
         f"world size {trainer.world_size} ({trainer.num_nodes} node(s) x {trainer.num_devices} device(s))"
     )
-    ckpt_path = resume_from(cfg.get("ckpt_path"), trainer) if cfg.train else None
+    ckpt_path = resume_from(cfg.get("ckpt_path"), trainer)
+    if not cfg.train and ckpt_path is None:  # ckpt_path=last in a folder without one
+        raise ConfigError(f"train=false tests ckpt_path={cfg.ckpt_path}, which names no checkpoint here")
     if ckpt_path is not None:
-        averaging = any(isinstance(callback, WeightAveraging) for callback in trainer.callbacks)
+        # train=false evaluates a callbacks=ema checkpoint's weights, its average, as eval.py does
+        averaging = not cfg.train or any(isinstance(c, WeightAveraging) for c in trainer.callbacks)
         check_resumable(model, cfg.model, ckpt_path, averaging)
     elif cfg.train and cfg.get("init_from") is not None:
         load_initial_weights(model, cfg.model, cfg.init_from, datamodule.class_names())
@@ -94,14 +98,18 @@ def train(cfg: DictConfig) -> dict[str, float]:
             trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+        # what test and the patch budgets evaluate: the best checkpoint of the fit, or the
+        # checkpoint train=false was given
+        tested = (best or None) if cfg.train else ckpt_path
         if cfg.test:
-            trainer.test(model, datamodule=datamodule, ckpt_path=best or None)
+            trainer.test(model, datamodule=datamodule, ckpt_path=tested)
             metrics.update({name: float(value) for name, value in trainer.callback_metrics.items()})
         if cfg.get("patch_budgets"):
             results = accuracy_across_budgets(
-                trainer, model, datamodule, list(cfg.patch_budgets), "val", best or None
+                trainer, model, datamodule, list(cfg.patch_budgets), "val", tested
             )
-            report(results, trainer, Path(cfg.paths.output_dir), "val, best checkpoint" if best else "val")
+            title = "val" if tested is None else "val, best checkpoint" if cfg.train else f"val, {tested}"
+            report(results, trainer, Path(cfg.paths.output_dir), title)
     final = {name: metrics[source] for name, source in HP_METRICS.items() if source in metrics}
     for logger in trainer.loggers:
         logger.log_metrics(final, step=trainer.global_step)

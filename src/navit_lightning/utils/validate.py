@@ -107,6 +107,11 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
                 "callbacks.learning_rate_monitor=null, or keep logger=tensorboard"
             )
         ckpt_path = cfg.get("ckpt_path")
+        if not cfg.get("train", True) and ckpt_path is None:
+            raise ConfigError(
+                f"train=false tests a checkpoint, the network's weights would be its initial ones: "
+                f"give ckpt_path={CKPT_PATH_EXAMPLE} (or use eval.py)"
+            )
         if ckpt_path is not None and ckpt_path not in LIGHTNING_CKPT_NAMES:
             read_checkpoint(ckpt_path)
         if cfg.get("init_from") is not None:
