@@ -47,7 +47,7 @@ def test_image_index_from_a_host_count_is_the_boolean_mask_order(images):
 def test_coordinates_past_the_table_are_refused_on_the_host_before_the_copy():
     model = make_model("linear")
     model.net.pos_embed.max_grid = 4  # the batch has images 7 patches long
-    with pytest.raises(ValueError, match=r"raise model\.net\.max_grid"):
+    with pytest.raises(ValueError, match=r"or train with a larger model\.net\.max_grid"):
         model.on_before_batch_transfer(make_batch(), 0)
 
 

@@ -84,7 +84,7 @@ def test_padding_never_leaks_and_gradients_are_finite(attention):
 def test_absolute_positions_beyond_the_table_are_refused():
     net = make_net(max_grid=4)
     batch = pack([make_sample(2, 6, label=0, seed=0)], SHAPE, PATCH_DIM)
-    with pytest.raises(ValueError, match=r"raise model\.net\.max_grid"):
+    with pytest.raises(ValueError, match=r"or train with a larger model\.net\.max_grid"):
         net(batch)
 
 

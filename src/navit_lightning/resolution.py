@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from navit_lightning.pictures import log_figure, resolution_figure
 
@@ -75,6 +75,25 @@ class EvalCounter(L.Callback):
             pl_module.log(
                 f"{stage}/{name}", float(value), on_epoch=True, reduce_fx=reduce, sync_dist=True, batch_size=1
             )
+
+
+def budgets_that_fit(budgets: list[int], datamodule: Any, net: Any, split: str) -> list[int]:
+    """`budgets` but those at which an image of `split` would be longer than the network's
+    absolute position tables (model.net.max_grid), named in a warning: its evaluation would
+    stop at that image, after the whole fit (and under ddp on one rank, which the others
+    wait for). Every rank leaves out the same ones: they come from the data's sizes."""
+    if net.pos_embed.fractional:
+        return budgets
+    datamodule.setup("validate")  # after a fit a no-op, but in ddp_spawn's first process
+    longest = {budget: datamodule.longest_side(split, budget) for budget in budgets}
+    too_long = [budget for budget in budgets if longest[budget] > net.pos_embed.max_grid]
+    if too_long:
+        rank_zero_warn(
+            f"patch_budgets {too_long} left out: at {too_long[0]} an image of the {split} split is "
+            f"{longest[too_long[0]]} patches long, past model.net.max_grid={net.pos_embed.max_grid} "
+            "(the position tables; fractional positions have no such bound)"
+        )
+    return [budget for budget in budgets if budget not in too_long]
 
 
 def accuracy_across_budgets(

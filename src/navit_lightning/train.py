@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError
-from navit_lightning.resolution import accuracy_across_budgets, report
+from navit_lightning.resolution import accuracy_across_budgets, budgets_that_fit, report
 from navit_lightning.utils.callbacks import StoreRunConfig
 from navit_lightning.utils.checkpoints import check_resumable, load_initial_weights
 from navit_lightning.utils.entry_point import launch, log_config, run_task
@@ -104,10 +104,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
         if cfg.test:
             trainer.test(model, datamodule=datamodule, ckpt_path=tested)
             metrics.update({name: float(value) for name, value in trainer.callback_metrics.items()})
-        if cfg.get("patch_budgets"):
-            results = accuracy_across_budgets(
-                trainer, model, datamodule, list(cfg.patch_budgets), "val", tested
-            )
+        budgets = budgets_that_fit(list(cfg.get("patch_budgets") or []), datamodule, model.net, "val")
+        if budgets:
+            results = accuracy_across_budgets(trainer, model, datamodule, budgets, "val", tested)
             title = "val" if tested is None else "val, best checkpoint" if cfg.train else f"val, {tested}"
             report(results, trainer, Path(cfg.paths.output_dir), title)
     final = {name: metrics[source] for name, source in HP_METRICS.items() if source in metrics}

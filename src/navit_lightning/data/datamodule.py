@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch.utils.data import DataLoader
@@ -30,6 +31,7 @@ from navit_lightning.data.index import Manifest, index_folder, manifest_path
 from navit_lightning.data.packing import PackCollate
 from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
 from navit_lightning.data.shards import load_shards, shard_classes
+from navit_lightning.data.transforms import fit_grids
 from navit_lightning.data.workers import exit_with_process, start_context
 from navit_lightning.errors import ConfigError, DataError, require_positive
 
@@ -305,6 +307,13 @@ class PackedImageDataModule(L.LightningDataModule):
 
     def teardown(self, stage: str) -> None:
         self._loaders.clear()  # their workers end with them
+
+    def longest_side(self, split: str, budget: int | None = None) -> int:
+        """The most patches along a side of an image of `split` (set up) at patch `budget`."""
+        sizes = self.datasets[split].images.sizes
+        limit = np.full(len(sizes), self.policy(split, budget).max_patches)
+        grid_h, grid_w = fit_grids(sizes[:, 0], sizes[:, 1], self.patch_size, limit)
+        return int(max(grid_h.max(initial=0), grid_w.max(initial=0)))
 
     def policy(self, split: str, budget: int | None = None) -> SizePolicy:
         """How big `split`'s images are: evaluation images at their native resolution, capped by

@@ -28,8 +28,9 @@ class FactorizedPosEmbed(nn.Module):
         GPU: the LightningModule calls it on the host batch, before the copy."""
         if not self.fractional and coords.numel() and int(coords.max()) >= self.max_grid:
             raise ConfigError(
-                f"an image is {int(coords.max()) + 1} patches long but model.net.max_grid="
-                f"{self.max_grid}: raise model.net.max_grid or lower data.max_patches (or patch_budgets)"
+                f"an image is {int(coords.max()) + 1} patches long but model.net.max_grid={self.max_grid}: "
+                f"scale the images to at most {self.max_grid} patches a side (data.max_patches, "
+                "patch_budgets), or train with a larger model.net.max_grid"
             )
 
     def forward(self, coords: torch.Tensor, token_grid: torch.Tensor) -> torch.Tensor:
