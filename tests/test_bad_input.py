@@ -155,6 +155,40 @@ def test_refused_roots_say_what_to_fix(tmp_path):
         PackedImageDataModule(str(tmp_path), max_patches=300, row_len=256)
 
 
+def test_the_class_check_and_the_manifest_take_the_same_files(tmp_path):
+    """Both walk index.image_entries: a macOS zip's __MACOSX/ (only hidden ._ files) passed
+    the check and became a class without images, shifting every label; a class of linked
+    folders was refused though the manifest held their images; a link loop crashed."""
+    root = tmp_path / "root"
+    for name in ("cat", "dog"):
+        save(Image.new("RGB", (8, 8)), root / name / "0.png")
+    (root / "__MACOSX" / "cat").mkdir(parents=True)
+    (root / "__MACOSX" / "cat" / "._0.png").write_bytes(b"\0\5\26\7 AppleDouble")
+    with pytest.raises(DataError, match=r"__MACOSX holds no images"):
+        PackedImageDataModule(str(root)).class_names()
+
+    stored = tmp_path / "store"
+    save(Image.new("RGB", (8, 8)), stored / "1.png")
+    linked = tmp_path / "linked"
+    save(Image.new("RGB", (8, 8)), linked / "cat" / "0.png")
+    (linked / "dog").mkdir()
+    (linked / "dog" / "batch1").symlink_to(stored, target_is_directory=True)
+    (linked / "cat" / "up").symlink_to(linked, target_is_directory=True)  # a loop
+    datamodule = PackedImageDataModule(str(linked), val_fraction=0.5, num_workers=0)
+    assert datamodule.class_names() == ["cat", "dog"]
+    manifest = index_folder(linked)
+    assert sorted(manifest.paths.tolist()) == ["cat/0.png", "dog/batch1/1.png"]
+
+
+def test_a_val_class_that_train_has_not_is_refused(tmp_path):
+    """Its images were left out of val without a word."""
+    for split, names in (("train", ("cat", "dog")), ("val", ("cat", "dog", "bird"))):
+        for name in names:
+            save(Image.new("RGB", (8, 8)), tmp_path / split / name / "0.png")
+    with pytest.raises(DataError, match=r"val has class folders that .*train has not \(bird\)"):
+        PackedImageDataModule(str(tmp_path), num_workers=0).setup("fit")
+
+
 def test_a_root_of_only_unreadable_files_is_refused_at_setup(tmp_path):
     for name in ("cat", "dog"):
         (tmp_path / name).mkdir()

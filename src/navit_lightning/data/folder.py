@@ -14,7 +14,14 @@ import numpy as np
 from PIL import Image
 from torch.utils.data import Dataset
 
-from navit_lightning.data.index import IMAGE_SUFFIXES, UNREADABLE, Manifest, StringTable, read_sizes
+from navit_lightning.data.index import (
+    IMAGE_SUFFIXES,
+    UNREADABLE,
+    Manifest,
+    StringTable,
+    image_entries,
+    read_sizes,
+)
 from navit_lightning.data.packing import ImageSample
 from navit_lightning.data.sampler import SampleKey
 from navit_lightning.data.transforms import drop_tokens, image_to_sample
@@ -32,15 +39,11 @@ def find_classes(root: Path) -> list[str]:
     return classes
 
 
-def is_image_file(path: Path) -> bool:
-    return path.suffix.lower() in IMAGE_SUFFIXES and path.is_file()
-
-
 def check_class_folders(root: Path, classes: list[str]) -> None:
     """Refuse a class folder without a single image file (its class could never be learnt),
     and a single class (nothing to tell apart)."""
     for name in classes:
-        if not any(is_image_file(path) for path in (root / name).rglob("*")):
+        if next(image_entries(root / name), None) is None:
             raise DataError(
                 f"class folder {root / name} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))}): "
                 "add images or remove the folder"
@@ -53,8 +56,8 @@ def check_class_folders(root: Path, classes: list[str]) -> None:
 
 
 def image_files_under(folder: Path) -> list[Path]:
-    """Every image file under `folder`, recursively, sorted."""
-    return sorted(path for path in folder.rglob("*") if is_image_file(path))
+    """Every image file under `folder` (index.image_entries), sorted."""
+    return sorted(folder / path for path, _ in image_entries(folder))
 
 
 @dataclass
@@ -120,12 +123,25 @@ def split_images(
     their classes' labels, and the unreadable ones, from root's manifest (a shard folder's:
     the paths its images had)."""
     prefix = f"{folder}/" if folder else ""
-    label_of = {f"{prefix}{name}": label for label, name in enumerate(classes)}
+    label_of = {name: label for label, name in enumerate(classes)}
     labels = np.full(len(manifest.paths), -1, dtype=np.int64)
+    unknown: set[str] = set()
     for row, path in enumerate(manifest.paths.tolist()):
-        label = label_of.get(path[: path.find("/", len(prefix))])
-        if label is not None:
+        end = path.find("/", len(prefix))
+        if not path.startswith(prefix) or end < 0:  # another split's, or a file beside the classes
+            continue
+        label = label_of.get(path[len(prefix) : end])
+        if label is None:
+            unknown.add(path[len(prefix) : end])
+        else:
             labels[row] = label
+    if unknown:  # val/ or test/: their images would be left out without a word
+        names = sorted(unknown)
+        raise DataError(
+            f"{root / folder} has class folders that {root / 'train'} has not ({', '.join(names[:3])}"
+            f"{', ...' if len(names) > 3 else ''}): a network trained on train/ could give their images "
+            "no label; give every split the class folders of train/"
+        )
     rows = np.flatnonzero(labels >= 0)
     readable = manifest.readable[rows]
     unreadable = [(root / manifest.paths[row], manifest.reasons[row]) for row in rows[~readable].tolist()]

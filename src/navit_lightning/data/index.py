@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,10 +144,12 @@ class Manifest:
             return None
 
 
-def list_image_files(root: Path) -> tuple[list[str], np.ndarray]:
-    """Every image file under root, sorted: relative paths and (N, 2) (mtime_ns, bytes), from
-    one directory listing and one stat per file (no file is opened); hidden entries skipped."""
-    found: list[tuple[str, int, int]] = []
+def image_entries(root: Path) -> Iterator[tuple[str, os.DirEntry]]:
+    """Every image file under root, as (its path relative to root, its directory entry), in
+    no set order: what the manifest, the check of class folders and predict.py take for the
+    images. Hidden entries are skipped (a macOS zip's __MACOSX/ holds only ._ files); linked
+    folders are followed, each folder once (a link to a folder above would loop)."""
+    seen = {_folder_id(root)}
     folders = [(root, "")]
     while folders:
         folder, prefix = folders.pop()
@@ -155,10 +158,25 @@ def list_image_files(root: Path) -> tuple[list[str], np.ndarray]:
                 if entry.name.startswith("."):
                     continue
                 if entry.is_dir():
-                    folders.append((Path(entry.path), f"{prefix}{entry.name}/"))
+                    if (folder_id := _folder_id(entry)) not in seen:
+                        seen.add(folder_id)
+                        folders.append((Path(entry.path), f"{prefix}{entry.name}/"))
                 elif os.path.splitext(entry.name)[1].lower() in IMAGE_SUFFIXES and entry.is_file():
-                    stat = entry.stat()
-                    found.append((prefix + entry.name, stat.st_mtime_ns, stat.st_size))
+                    yield prefix + entry.name, entry
+
+
+def _folder_id(folder: Path | os.DirEntry) -> tuple[int, int]:
+    stat = folder.stat() if isinstance(folder, os.DirEntry) else os.stat(folder)  # through links
+    return stat.st_dev, stat.st_ino
+
+
+def list_image_files(root: Path) -> tuple[list[str], np.ndarray]:
+    """Every image file under root (image_entries), sorted: relative paths and (N, 2)
+    (mtime_ns, bytes), from one directory listing and one stat per file (none is opened)."""
+    found: list[tuple[str, int, int]] = []
+    for path, entry in image_entries(root):
+        stat = entry.stat()
+        found.append((path, stat.st_mtime_ns, stat.st_size))
     found.sort()
     stamps = np.array([(mtime, size) for _, mtime, size in found], dtype=np.int64).reshape(-1, 2)
     return [path for path, _, _ in found], stamps
