@@ -1,6 +1,7 @@
 """The size manifest: built once, then no image file is opened to plan an epoch, and only
 what changed in the folder is read again."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -48,7 +49,7 @@ def make_folder(root, count=6):
     return root
 
 
-def test_a_second_index_opens_no_image_and_a_changed_folder_reads_only_what_changed(tmp_path):
+def test_a_second_index_opens_no_image_and_a_changed_folder_reads_only_what_changed(tmp_path, caplog):
     root = make_folder(tmp_path / "images")
     with image_files_opened() as opened:
         first = index_folder(root)
@@ -64,12 +65,19 @@ def test_a_second_index_opens_no_image_and_a_changed_folder_reads_only_what_chan
     Image.new("RGB", (99, 7)).save(root / "cats" / "new.png")  # added
     (root / "dogs" / "0.png").unlink()  # removed
     Image.new("RGB", (8, 77)).save(root / "cats" / "1.png")  # replaced under the same name
-    with image_files_opened() as opened:
+    with image_files_opened() as opened, caplog.at_level(logging.INFO):
         changed = index_folder(root)
     assert sorted(opened) == ["1.png", "new.png"]
+    assert "2 read (new or changed), 1 gone," in caplog.text  # the replaced file is not gone
     sizes = dict(zip(changed.paths.tolist(), changed.sizes.tolist(), strict=True))
     assert sizes["cats/new.png"] == [7, 99] and sizes["cats/1.png"] == [77, 8] and "dogs/0.png" not in sizes
     assert Manifest.load(manifest_path(root)).paths == changed.paths  # saved
+
+    # a manifest cut short (a copy that stopped) is indexed again, not a crash
+    manifest_path(root).write_bytes(manifest_path(root).read_bytes()[:100])
+    with image_files_opened() as opened:
+        again = index_folder(root)
+    assert len(opened) == len(changed.paths) and again.paths == changed.paths
 
 
 def test_many_files_are_read_by_a_pool_to_the_same_sizes(tmp_path, monkeypatch):

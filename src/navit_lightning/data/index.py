@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import time
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,7 +125,8 @@ class Manifest:
 
     @classmethod
     def load(cls, path: Path) -> Manifest | None:
-        """The manifest at `path`, or None if there is none of this version."""
+        """The manifest at `path`, or None if there is none of this version, or none whole (a
+        half-copied file is indexed again, not a crash)."""
         try:
             with np.load(path) as arrays:
                 if int(arrays["version"]) != MANIFEST_VERSION:
@@ -140,7 +142,7 @@ class Manifest:
                         else ()
                     ),
                 )
-        except (OSError, KeyError, ValueError):  # missing, or not one of ours
+        except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):  # missing, not ours, cut
             return None
 
 
@@ -246,7 +248,7 @@ def index_folder(root: Path, index_dir: str | Path | None = None, workers: int =
         else:
             sizes[row] = result
     manifest = Manifest(paths, sizes, stamps, StringTable.of(reasons))
-    removed = 0 if old is None else len(old.paths) - int(known.sum())
+    removed = 0 if old is None or paths == old.paths else len(set(old.paths.tolist()) - set(names))
     if old is None or len(to_read) or removed:
         if index_dir is None and not os.access(root, os.W_OK):
             raise DataError(f"image folder {root} is read-only: set data.index_dir to a writable folder")
