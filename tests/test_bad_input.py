@@ -29,6 +29,11 @@ def save(image: Image.Image, path, **kwargs):
     return path
 
 
+def with_info(image: Image.Image, **info) -> Image.Image:
+    image.info.update(info)
+    return image
+
+
 def rotated_jpeg() -> bytes:
     """A 40 x 20 (w x h) JPEG whose EXIF says: turn 90 degrees to show it upright (20 x 40)."""
     exif = Image.Exif()
@@ -72,9 +77,13 @@ def make_messy_folder(root):
         (Image.new("LA", (4, 4), (0, 255)), (0, 0, 0)),
         (Image.new("CMYK", (4, 4), (0, 0, 0, 0)), (255, 255, 255)),
         (Image.new("I;16", (4, 4), 60000), (234, 234, 234)),  # 16-bit scaled, not clipped
+        (Image.fromarray(np.full((4, 4), 60000, dtype=">u2")), (234, 234, 234)),  # ImageJ's TIFFs
         (Image.new("I", (4, 4), 256 * 100), (100, 100, 100)),
+        (Image.new("F", (4, 4), 0.5), (127, 127, 127)),  # float in [0, 1], not black
+        (with_info(Image.new("L", (4, 4), 9), transparency=9), (255, 255, 255)),  # a PNG's tRNS
+        (with_info(Image.new("RGB", (4, 4), (1, 2, 3)), transparency=(1, 2, 3)), (255, 255, 255)),
     ],
-    ids=["L", "RGBA", "LA", "CMYK", "I;16", "I"],
+    ids=["L", "RGBA", "LA", "CMYK", "I;16", "I;16B", "I", "F", "L-tRNS", "RGB-tRNS"],
 )
 def test_every_mode_becomes_8_bit_rgb(image, pixel):
     rgb = to_rgb(image)

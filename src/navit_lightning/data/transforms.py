@@ -69,14 +69,19 @@ HIGH_BIT_DEPTH_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N"}
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
-    """Any Pillow image as 8-bit RGB: transparency laid over white, 16/32-bit grey scaled to
-    8 bits (a plain convert would clip it to white)."""
-    if image.mode == "RGB":
+    """Any Pillow image as 8-bit RGB: transparency (an alpha band, or a PNG's transparent
+    colour) laid over white, 16/32-bit grey scaled to 8 bits (a plain convert would clip it
+    to white), float grey in [0, 1] scaled to 8 bits (a plain convert would make it black)."""
+    if image.mode == "RGB" and "transparency" not in image.info:
         return image
     if image.mode in HIGH_BIT_DEPTH_MODES:
-        image = image.point(lambda value: value / 256).convert("L")
-    if image.mode == "P":
-        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
+        # through "I": Pillow's point() refuses the 16-bit modes of either byte order
+        image = image.convert("I").point(lambda value: value / 256).convert("L")
+    elif image.mode == "F":
+        scale = 255 if image.getextrema()[1] <= 1 else 1
+        image = image.point(lambda value: value * scale).convert("L")
+    if image.mode in ("P", "L", "RGB") and "transparency" in image.info:
+        image = image.convert("RGBA")
     if image.mode in ("RGBA", "LA", "PA"):
         image = image.convert("RGBA")
         white = Image.new("RGBA", image.size, (255, 255, 255, 255))
