@@ -90,6 +90,23 @@ def test_an_input_without_images_is_refused_with_one_line(run_entry_point, train
     assert re.search(rf"error: {message}", output) and "Traceback" not in output, output[-3000:]
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("top_k=0", "top_k=0 is how many classes each image lists"),  # wrote rows of paths only
+        ("top_k=-1", "top_k=-1 is how many classes each image lists"),  # a traceback from topk
+        ("patch_budget=-5", "patch_budget=-5 is the most patches an image is scaled to"),  # Pillow's
+        ("patch_budget=0", "patch_budget=0 is the most patches"),  # taken for null without a word
+    ],
+)
+def test_a_bad_top_k_or_patch_budget_is_refused_with_one_line(run_entry_point, tmp_path, override, message):
+    result = run_entry_point(
+        "predict.py", f"ckpt_path={tmp_path / 'run.ckpt'}", f"input={tmp_path}", override, check=False
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and f"error: {message}" in output and "Traceback" not in output, output
+
+
 def test_two_ddp_ranks_predict_what_one_process_does(run_entry_point, trained, tmp_path):
     val = run_entry_point.root / "data" / "shapes" / "val"
     _, alone = predict(run_entry_point, trained, val, tmp_path / "alone")

@@ -17,12 +17,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.data.folder import IMAGE_SUFFIXES, image_files_under
-from navit_lightning.errors import DataError
+from navit_lightning.errors import ConfigError, DataError
 from navit_lightning.utils.checkpoints import build_from_checkpoint, data_for, load_training_run
 from navit_lightning.utils.entry_point import launch, run_task
 from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.shutdown import explain_collective_failure
 from navit_lightning.utils.validate import check_launch
+
+
+def is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def image_files(input_path: Path) -> list[Path]:
@@ -104,6 +108,14 @@ class PredictionWriter(BasePredictionWriter):
 def predict(cfg: DictConfig) -> Path:
     """Predict the classes of the images under cfg.input; returns the predictions.csv path."""
     check_launch(cfg, training=False)
+    budget = cfg.get("patch_budget")
+    if not is_count(cfg.top_k):
+        raise ConfigError(f"top_k={cfg.top_k} is how many classes each image lists: a whole number above 0")
+    if budget is not None and not is_count(budget):
+        raise ConfigError(
+            f"patch_budget={budget} is the most patches an image is scaled to: a whole number above 0, "
+            "or null for the training run's data.max_patches"
+        )
     L.seed_everything(cfg.seed, workers=True)
     paths = image_files(Path(cfg.input))
     run, class_names = load_training_run(cfg.ckpt_path)
@@ -113,8 +125,7 @@ def predict(cfg: DictConfig) -> Path:
     callbacks = [*instantiate_group(cfg.get("callbacks")), writer]
     datamodule, model, trainer = build_from_checkpoint(cfg, run, data, callbacks)
     datamodule.predict_on(paths)
-    budget = cfg.get("patch_budget")
-    datamodule.evaluate_at([budget] if budget else None)
+    datamodule.evaluate_at(None if budget is None else [budget])
     with explain_collective_failure(trainer):
         trainer.predict(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, return_predictions=False)
     return output
