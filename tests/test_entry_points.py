@@ -101,6 +101,14 @@ def test_train_then_eval_reports_accuracy(run_entry_point):
     )
 
 
+def test_debug_fdr_runs_a_batch_of_each_stage_and_writes_nothing_but_hydras_own(run_entry_point):
+    """It ran the sweep of patch budgets too: four more evaluations, and their csv and figure."""
+    result = run_entry_point("train.py", *TINY_RUN, "debug=fdr")
+    assert "Running in `fast_dev_run` mode" in result.stdout + result.stderr
+    run = only((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    assert sorted(path.name for path in run.iterdir()) == [".hydra", "train.log"]
+
+
 @pytest.mark.parametrize(
     ("strategy", "devices", "model"),
     [("ddp", 2, []), ("ddp", 4, ["model.net.grad_checkpointing=true"])],
