@@ -3,6 +3,7 @@ from exactly its images."""
 
 import numpy as np
 import pytest
+from omegaconf import open_dict
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -10,7 +11,9 @@ from navit_lightning.batch import PackedShape
 from navit_lightning.data.packing import pack
 from navit_lightning.data.transforms import image_to_sample
 from navit_lightning.pictures import packed_batch_figure, unpack_images
+from navit_lightning.train import build
 from tests.conftest import TINY_RUN, logged_scalars
+from tests.test_configs import compose_train
 
 
 def test_unpacked_images_are_the_packed_ones_pixel_for_pixel():
@@ -45,3 +48,20 @@ def test_a_short_default_run_shows_pictures_and_hparams(run_entry_point):
     assert "hp/val_acc" in str(events.PluginTagToContent("hparams"))
     assert scalars["hp/val_acc"][-1][1] == pytest.approx(max(value for _, value in scalars["val/acc"]))
     assert scalars["hp/test_acc"][-1][1] == pytest.approx(scalars["test/acc"][-1][1])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "declared"), [([], ["hp/test_acc", "hp/val_acc"]), (["test=false"], ["hp/val_acc"])]
+)
+def test_the_hparams_tab_declares_only_the_results_the_run_gives(tmp_path, project_root, overrides, declared):
+    """A run without a test (Optuna's trials, debug=overfit) showed hp/test_acc at its
+    placeholder, 0.0, as its result."""
+    cfg = compose_train(overrides, tmp_path, project_root)
+    with open_dict(cfg):
+        del cfg.hydra  # Hydra's own node, as a run's config holds none (set by compose_train)
+    _, _, trainer = build(cfg)
+    trainer.logger.experiment.flush()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    content = str(events.PluginTagToContent("hparams"))
+    assert [name for name in ("hp/test_acc", "hp/val_acc") if name in content] == declared

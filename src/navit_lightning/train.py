@@ -23,8 +23,10 @@ from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.shutdown import StopTogetherOnSigterm, explain_collective_failure
 from navit_lightning.utils.validate import check_launch
 
-# The run's results beside its settings (TensorBoard's HPARAMS tab): hp/ name -> metric.
-HP_METRICS = {"hp/val_acc": "val/acc_best", "hp/test_acc": "test/acc"}
+# The run's results beside its settings (TensorBoard's HPARAMS tab): hp/ name -> (metric,
+# the config switch of the stage that gives it). Only those the run gives are declared: the
+# others would show their placeholder, 0.0, as the run's result.
+HP_METRICS = {"hp/val_acc": ("val/acc_best", "train"), "hp/test_acc": ("test/acc", "test")}
 
 
 def build(
@@ -50,7 +52,8 @@ def build(
     trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):  # its HPARAMS tab lists the metrics named here
-            logger.log_hyperparams(run_config, dict.fromkeys(HP_METRICS, 0.0))
+            declared = [name for name, (_, switch) in HP_METRICS.items() if cfg.get(switch)]
+            logger.log_hyperparams(run_config, dict.fromkeys(declared, 0.0))
         else:
             logger.log_hyperparams(run_config)
     return datamodule, model, trainer
@@ -71,9 +74,8 @@ def resume_from(ckpt_path: str | None, trainer: L.Trainer) -> str | None:
     existing = [last for last in lasts if last.is_file()]
     if existing:
         return str(max(existing, key=lambda last: last.stat().st_mtime))
-    rank_zero_info(
-        f"ckpt_path=last: no last checkpoint ({' or '.join(map(str, sorted(lasts)))}): starting afresh"
-    )
+    where = " or ".join(map(str, sorted(lasts))) or "none of this run's callbacks saves one (callbacks=none?)"
+    rank_zero_info(f"ckpt_path=last: no last checkpoint ({where}): starting afresh")
     return None
 
 
@@ -109,7 +111,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
             results = accuracy_across_budgets(trainer, model, datamodule, budgets, "val", tested)
             title = "val" if tested is None else "val, best checkpoint" if cfg.train else f"val, {tested}"
             report(results, trainer, Path(cfg.paths.output_dir), title)
-    final = {name: metrics[source] for name, source in HP_METRICS.items() if source in metrics}
+    final = {name: metrics[source] for name, (source, _) in HP_METRICS.items() if source in metrics}
     for logger in trainer.loggers:
         logger.log_metrics(final, step=trainer.global_step)
         logger.finalize("success")
