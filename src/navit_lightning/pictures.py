@@ -98,11 +98,29 @@ def predictions_figure(
     return figure
 
 
+# Beyond this many classes torchmetrics' plot, a count written in every cell of a figure
+# that grows with the classes, took 13.5 s and 1.9 GB at 100 classes, 63.5 s and 6.4 GB at
+# 200, at every validation.
+MAX_LABELLED_CLASSES = 30
+
+
 def confusion_figure(matrix: torch.Tensor, class_names: Sequence[str]) -> Figure:
-    """torchmetrics' own confusion matrix plot of an already computed matrix."""
-    figure = Figure(figsize=(1 + 0.6 * len(class_names), 0.6 * len(class_names) + 0.8), layout="constrained")
-    plotter = MulticlassConfusionMatrix(len(class_names))
-    plotter.plot(val=matrix.cpu(), ax=figure.add_subplot(), labels=list(class_names))
+    """torchmetrics' own confusion matrix plot of an already computed matrix; beyond
+    MAX_LABELLED_CLASSES, each true class's row as shares, drawn as an image of a fixed size."""
+    classes = len(class_names)
+    if classes <= MAX_LABELLED_CLASSES:
+        figure = Figure(figsize=(1 + 0.6 * classes, 0.6 * classes + 0.8), layout="constrained")
+        plotter = MulticlassConfusionMatrix(classes)
+        plotter.plot(val=matrix.cpu(), ax=figure.add_subplot(), labels=list(class_names))
+        return figure
+    counts = matrix.cpu().float()
+    shares = counts / counts.sum(1, keepdim=True).clamp(min=1)
+    figure = Figure(figsize=(8, 7), layout="constrained")
+    axes = figure.add_subplot()
+    image = axes.imshow(shares.numpy(), vmin=0, vmax=1, interpolation="nearest")
+    figure.colorbar(image, ax=axes, label="share of the true class's images")
+    axes.set_xlabel(f"predicted class (0..{classes - 1}, in label order)")
+    axes.set_ylabel("true class")
     return figure
 
 
