@@ -7,7 +7,7 @@ import pytest
 
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.models import NaViT
-from navit_lightning.resolution import budgets_that_fit, main, read_results
+from navit_lightning.resolution import budgets_that_fit, label_and_path, main, read_results
 from tests.conftest import TINY_RUN, logged_scalars
 
 
@@ -78,15 +78,24 @@ def test_budgets_past_the_position_tables_are_left_out_before_the_sweep(project_
 
 def test_curves_of_several_runs_in_one_figure(tmp_path):
     rows = "patch_budget,patches_per_image,accuracy,images_per_s\n4,3.9,0.3,100\n36,34.4,0.98,50\n"
-    for name in ("variable", "fixed"):
-        (tmp_path / f"{name}.csv").write_text(rows)
+    # a sweep's job folder, named by Hydra after its overrides
+    swept = tmp_path / "optimizer.lr=1e-3" / "resolution_accuracy.csv"
+    swept.parent.mkdir()
+    for path in (tmp_path / "variable.csv", tmp_path / "fixed.csv", swept):
+        path.write_text(rows)
     main(
         [
             f"variable={tmp_path / 'variable.csv'}",
             f"fixed={tmp_path / 'fixed.csv'}",
+            f"lr={swept}",
+            str(swept),
             "--out",
             str(tmp_path / "both.png"),
         ]
     )
     assert read_results(tmp_path / "fixed.csv")[1].accuracy == 0.98
     assert (tmp_path / "both.png").stat().st_size > 10_000
+    assert label_and_path(f"lr={swept}") == ("lr", str(swept))
+    assert label_and_path(str(swept)) == (str(swept), str(swept))
+    with pytest.raises(SystemExit):
+        main([f"lr={tmp_path / 'missing.csv'}", "--out", str(tmp_path / "none.png")])

@@ -168,6 +168,15 @@ def read_results(path: Path) -> list[BudgetResult]:
         ]
 
 
+def label_and_path(curve: str) -> tuple[str, str]:
+    """LABEL=CSV split at the first "=" (a path may hold more: Hydra names sweep folders like
+    optimizer.lr=1e-3), or CSV alone, its path the label."""
+    if Path(curve).is_file() or "=" not in curve:
+        return curve, curve
+    label, path = curve.split("=", 1)
+    return label, path
+
+
 def main(argv: list[str] | None = None) -> None:
     """python -m navit_lightning.resolution LABEL=<run>/resolution_accuracy.csv ... --out F.png:
     the curves of several runs in one figure (e.g. variable against fixed resolution)."""
@@ -177,8 +186,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     curves = {}
     for curve in args.curves:
-        label, _, path = curve.rpartition("=")
-        curves[label or path] = read_results(Path(path))
+        label, path = label_and_path(curve)
+        if not Path(path).is_file():
+            parser.error(f"{path} is not a file: give LABEL=<run>/resolution_accuracy.csv or the file alone")
+        curves[label] = read_results(Path(path))
     resolution_figure(curves).savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
 
