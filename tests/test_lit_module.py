@@ -11,7 +11,7 @@ import torch
 from navit_lightning.batch import PackedBatch, PackedShape, image_index
 from navit_lightning.data.packing import pack
 from navit_lightning.errors import ConfigError
-from navit_lightning.lit_module import NaViTClassifier, image_loss
+from navit_lightning.lit_module import NaViTClassifier, image_loss, parameter_groups
 from navit_lightning.models import NaViT
 from navit_lightning.utils.schedules import warmup_cosine
 from tests.test_datamodule import shapes_datamodule
@@ -49,6 +49,19 @@ def test_coordinates_past_the_table_are_refused_on_the_host_before_the_copy():
     model.net.pos_embed.max_grid = 4  # the batch has images 7 patches long
     with pytest.raises(ValueError, match=r"or train with a larger model\.net\.max_grid"):
         model.on_before_batch_transfer(make_batch(), 0)
+
+
+def test_weight_decay_spares_vectors_the_position_tables_and_the_pooling_query():
+    model = make_model("linear")
+    decayed, kept = parameter_groups(model)
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert kept["weight_decay"] == 0.0 and "weight_decay" not in decayed
+    assert {"net.pos_embed.y", "net.pos_embed.x", "net.pool.query", "head.1.bias"} <= {
+        names[id(p)] for p in kept["params"]
+    }
+    assert {names[id(p)] for p in decayed["params"]} == {
+        name for name, p in model.named_parameters() if name.endswith(".weight") and p.ndim == 2
+    }
 
 
 def test_the_best_val_accuracy_carries_over_a_resume():

@@ -72,12 +72,20 @@ class BatchCounts(NamedTuple):
 
 
 def parameter_groups(module: nn.Module) -> list[dict]:
-    """No weight decay on biases, norms and other vectors (the usual ViT recipe)."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.ndim >= 2]},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
+    """No weight decay on biases, norms and other vectors, nor on what a submodule names in
+    its no_weight_decay() (NaViT: the position tables, the pooling query): the usual ViT
+    recipe."""
+    exempt = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, submodule in module.named_modules()
+        if hasattr(submodule, "no_weight_decay")
+        for name in submodule.no_weight_decay()
+    }
+    decayed, kept = [], []
+    for name, param in module.named_parameters():
+        if param.requires_grad:
+            (decayed if param.ndim >= 2 and name not in exempt else kept).append(param)
+    return [{"params": decayed}, {"params": kept, "weight_decay": 0.0}]
 
 
 class NaViTClassifier(L.LightningModule):

@@ -152,6 +152,15 @@ class NaViT(nn.Module):
         pooled = self.pool(self.norm(x).flatten(0, -2), segments.flatten(), dump)
         return pooled.unflatten(0, (rows, max_images))
 
+    def no_weight_decay(self) -> set[str]:
+        """The parameters that weight decay would pull towards zero for nothing, by name (as
+        timm's models name them): the position tables and the pooling query."""
+        return {
+            name
+            for name, _ in self.named_parameters()
+            if name.startswith("pos_embed.") or name == "pool.query"
+        }
+
     def train_flops(self, batch: PackedBatch) -> torch.Tensor:
         """Model FLOPs of one forward + backward on the batch's real tokens: the matmuls
         (backward twice the forward, but no input gradient for the pixels), attention counted
