@@ -175,6 +175,25 @@ def test_ema_weights_are_saved_and_tested_as_eval_py_tests_them(run_entry_point)
     assert logged_scalars(evaluation / "tensorboard")["test/loss"][-1][1] == pytest.approx(tested, rel=1e-5)
 
 
+def test_two_ddp_ranks_take_the_step_of_one_process_accumulating_their_two_batches(run_entry_point):
+    """The same two planned batches in one optimizer step, dealt to two ranks or accumulated
+    by one process: the same weights after it (plain SGD, whose update is the gradient). The
+    all_reduce of the step's image count pairs on both ranks."""
+    sgd = ["optimizer._target_=torch.optim.SGD", "~optimizer.betas", "model.scheduler=null"]
+    common = [*TINY_RUN, *sgd, "trainer.max_steps=1", "trainer.gradient_clip_val=null", "test=false"]
+    common += ["patch_budgets=null"]
+    ddp, accumulated = run_entry_point.root / "ddp", run_entry_point.root / "accumulated"
+    run_entry_point("train.py", *common, *DDP_TWO_RANKS, f"hydra.run.dir={ddp}")
+    run_entry_point("train.py", *common, "trainer.accumulate_grad_batches=2", f"hydra.run.dir={accumulated}")
+    weights = [
+        torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+        for run in (ddp, accumulated)
+    ]
+    assert weights[0].keys() == weights[1].keys()
+    for name in weights[0]:
+        torch.testing.assert_close(weights[0][name], weights[1][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
 def test_torchrun_two_processes_on_cpu(run_entry_point):
     """Lightning detects torchrun's environment and runs ddp in the processes it started;
     they agree on one run folder (rank 0's clock) and rank 1 writes no log or .hydra."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from navit_lightning.batch import PackedBatch, PackedShape, image_index
+from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.data.packing import pack
 from navit_lightning.errors import ConfigError
 from navit_lightning.lit_module import NaViTClassifier, image_loss, parameter_groups
@@ -196,6 +197,41 @@ def test_throughput_monitor_logs_tokens_and_model_flops(tmp_path):
     # samples are images and items real tokens, both counted on the host
     samples, items = (float(logged[f"train/device/{name}_per_sec"][-1]) for name in ("samples", "items"))
     assert samples / items == pytest.approx(batch.num_images / batch.num_real_tokens)
+
+
+def test_accumulated_batches_make_one_mean_over_the_steps_images(project_root):
+    """Two accumulated batches of unequal image counts: one SGD step moves the weights by the
+    gradient of the mean loss over their images, not by the mean of the two batch means."""
+    torch.manual_seed(0)
+    net = NaViT(patch_size=16, dim=32, depth=1, heads=2, max_grid=64)
+    model = NaViTClassifier(net, num_classes=6, optimizer=partial(torch.optim.SGD, lr=1.0))
+    reference = pickle.loads(pickle.dumps(model))
+
+    def small_images() -> PackedImageDataModule:  # several a row, as many as their sizes allow
+        root = str(project_root / "data" / "shapes")
+        sizes = dict(max_patches=16, min_patches=4, rows=4, row_len=64)
+        return PackedImageDataModule(root, patch_size=16, num_workers=0, **sizes)
+
+    datamodule = small_images()
+    datamodule.setup("fit")
+    first, second = batches = list(datamodule.train_dataloader())[:2]  # epoch 0's, as the fit's
+    assert first.num_images != second.num_images  # else both means are the same
+    summed = [image_loss(reference(b), b.labels[b.image_slots]) * b.num_images for b in batches]
+    (sum(summed) / sum(batch.num_images for batch in batches)).backward()
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        accumulate_grad_batches=2,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, datamodule=small_images())
+    for (name, moved), before in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(moved, before - before.grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize(("rule", "exponent"), [("sqrt", 0.5), ("linear", 1.0), (None, 0.0)])

@@ -126,6 +126,8 @@ class NaViTClassifier(L.LightningModule):
         # Lightning's ThroughputMonitor.
         self.batch_counts = BatchCounts(0, 0, 0)
         self.flops_per_batch = 0
+        # The images of this optimizer step's batches so far, on this rank (see training_step).
+        self._step_images = 0
 
     def setup(self, stage: str) -> None:
         if self.compile and stage == "fit":
@@ -197,7 +199,35 @@ class NaViTClassifier(L.LightningModule):
         return batch
 
     def training_step(self, batch: PackedBatch, batch_idx: int) -> torch.Tensor:
-        return self._step(batch, "train")
+        """The batch's mean loss where one batch makes the step; else its images' summed loss,
+        and on_before_optimizer_step divides the step's gradient by the images of all its
+        batches. Averaging the batches' means (DDP over ranks, Lightning over accumulated
+        batches) weighs an image by how few shared its batch: one alone in a batch as much as
+        a batch of twenty, and a rank's all-padding filler batch halved its step at 2 ranks."""
+        loss = self._step(batch, "train")
+        if self._batches_per_step() == 1:
+            return loss
+        images = self.batch_counts.images
+        self._step_images += images
+        return loss * images
+
+    def _batches_per_step(self) -> int:
+        trainer = self._trainer  # None for a step called outside a Trainer (self.trainer raises)
+        return 1 if trainer is None else trainer.world_size * trainer.accumulate_grad_batches
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Every rank runs this hook before each optimizer step, in step: its all_reduce pairs.
+        batches = self._batches_per_step()
+        if batches == 1:
+            return
+        # DDP's all_reduce and Lightning's accumulation left the mean of the batches' summed
+        # gradients: times batches / images, the mean over the step's images. The count made
+        # on the device (full, not a copy of a host tensor: no device sync).
+        images = torch.full((), float(self._step_images), device=self.device)
+        images = self.trainer.strategy.reduce(images, reduce_op="sum")
+        self._step_images = 0
+        gradients = [p.grad for p in self.parameters() if p.grad is not None]
+        torch._foreach_mul_(gradients, batches / images.clamp(min=1))
 
     def validation_step(self, batch: PackedBatch, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._step(batch, "val", dataloader_idx)
