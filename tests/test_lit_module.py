@@ -199,6 +199,20 @@ def test_throughput_monitor_logs_tokens_and_model_flops(tmp_path):
     assert samples / items == pytest.approx(batch.num_images / batch.num_real_tokens)
 
 
+def one_step_trainer(accumulate_grad_batches: int) -> L.Trainer:
+    """One optimizer step over `accumulate_grad_batches` batches on the CPU, nothing else."""
+    return L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        accumulate_grad_batches=accumulate_grad_batches,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
 def test_accumulated_batches_make_one_mean_over_the_steps_images(project_root):
     """Two accumulated batches of unequal image counts: one SGD step moves the weights by the
     gradient of the mean loss over their images, not by the mean of the two batch means."""
@@ -219,16 +233,7 @@ def test_accumulated_batches_make_one_mean_over_the_steps_images(project_root):
     summed = [image_loss(reference(b), b.labels[b.image_slots]) * b.num_images for b in batches]
     (sum(summed) / sum(batch.num_images for batch in batches)).backward()
 
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        accumulate_grad_batches=2,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = one_step_trainer(accumulate_grad_batches=2)
     trainer.fit(model, datamodule=small_images())
     for (name, moved), before in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(moved, before - before.grad, atol=1e-6, rtol=1e-4, msg=name)
@@ -247,16 +252,7 @@ def test_lr_scaling_carries_the_rate_to_the_effective_batch_before_the_schedule(
         lr_scaling=rule,
         lr_reference_tokens=128,
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        accumulate_grad_batches=4,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = one_step_trainer(accumulate_grad_batches=4)
     trainer.fit(model, datamodule=datamodule)
     assert datamodule.step_tokens() == 1024
     # the schedule's base rate, which it warms up to and decays from
