@@ -96,6 +96,6 @@ def test_curves_of_several_runs_in_one_figure(tmp_path):
     assert read_results(tmp_path / "fixed.csv")[1].accuracy == 0.98
     assert (tmp_path / "both.png").stat().st_size > 10_000
     assert label_and_path(f"lr={swept}") == ("lr", str(swept))
-    assert label_and_path(str(swept)) == (str(swept), str(swept))
+    assert label_and_path(str(swept)) == ("optimizer.lr=1e-3", str(swept))
     with pytest.raises(SystemExit):
         main([f"lr={tmp_path / 'missing.csv'}", "--out", str(tmp_path / "none.png")])

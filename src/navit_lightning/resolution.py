@@ -170,9 +170,9 @@ def read_results(path: Path) -> list[BudgetResult]:
 
 def label_and_path(curve: str) -> tuple[str, str]:
     """LABEL=CSV split at the first "=" (a path may hold more: Hydra names sweep folders like
-    optimizer.lr=1e-3), or CSV alone, its path the label."""
+    optimizer.lr=1e-3), or CSV alone, labelled by its folder (the run's, or the sweep job's)."""
     if Path(curve).is_file() or "=" not in curve:
-        return curve, curve
+        return Path(curve).parent.name, curve
     label, path = curve.split("=", 1)
     return label, path
 
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     """python -m navit_lightning.resolution LABEL=<run>/resolution_accuracy.csv ... --out F.png:
     the curves of several runs in one figure (e.g. variable against fixed resolution)."""
     parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("curves", nargs="+", metavar="LABEL=CSV")
+    parser.add_argument("curves", nargs="+", metavar="[LABEL=]CSV")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     curves = {}
