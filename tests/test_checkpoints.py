@@ -105,13 +105,30 @@ def test_init_from_loads_the_network_and_the_head_only_for_the_same_classes(tmp_
         load_initial_weights(other, config, path, ["a", "b", "c", "d"])
 
 
-def test_eval_on_a_data_group_takes_that_group(tmp_path):
-    run = OmegaConf.create({"data": {"_target_": "the.runs.DataModule", "rows": 4}})
+def test_eval_on_a_data_group_takes_its_images_with_the_runs_sizes_and_what_the_command_sets(tmp_path):
+    """The group's own defaults (imagefolder's max_patches=36) would have evaluated a network
+    at other sizes than it was trained at, without a word."""
+    target = "navit_lightning.data.datamodule.PackedImageDataModule"
+    run = OmegaConf.create(
+        {
+            "data": {
+                "_target_": target,
+                "root": "trained/on",
+                "max_patches": 144,
+                "rows": 4,
+                "generate": {"n": 1},
+            }
+        }
+    )
+    overrides = ["ckpt_path=run.ckpt", "data=imagefolder", f"data.root={tmp_path}", "data.rows=2"]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("eval", overrides=["ckpt_path=run.ckpt", "data=imagefolder", f"data.root={tmp_path}"])
-    data = data_for(cfg, run)
-    assert data._target_ == "navit_lightning.data.datamodule.PackedImageDataModule"
-    assert data.root == str(tmp_path) and data.rows == 14
+        cfg = compose("eval", overrides=overrides)
+    data = data_for(cfg, run, given={"root", "rows"})
+    assert data._target_ == target and data.root == str(tmp_path) and data.generate is None
+    assert data.max_patches == 144 and data.rows == 2
+    # a datamodule of another class: the group as it is
+    other = OmegaConf.create({"data": {"_target_": "the.runs.DataModule", "rows": 4}})
+    assert data_for(cfg, other, given={"root", "rows"}) == cfg.data
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ from navit_lightning.utils.checkpoints import (
     build_from_checkpoint,
     check_same_classes,
     data_for,
+    data_keys_given,
     load_training_run,
 )
 from navit_lightning.utils.entry_point import launch, run_task
@@ -35,7 +36,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         raise ConfigError(f"split={cfg.split!r} is unknown: use split=val or split=test")
     L.seed_everything(cfg.seed, workers=True)
     run, class_names = load_training_run(cfg.ckpt_path)
-    datamodule, model, trainer = build_from_checkpoint(cfg, run, data_for(cfg, run))
+    datamodule, model, trainer = build_from_checkpoint(cfg, run, data_for(cfg, run, data_keys_given()))
     check_same_classes(datamodule.class_names(), class_names, cfg.ckpt_path)
     if cfg.get("patch_budgets"):
         with explain_collective_failure(trainer):

@@ -18,7 +18,12 @@ from omegaconf import DictConfig, OmegaConf
 from navit_lightning import CONFIG_DIR
 from navit_lightning.data.folder import IMAGE_SUFFIXES, image_files_under
 from navit_lightning.errors import ConfigError, DataError
-from navit_lightning.utils.checkpoints import build_from_checkpoint, data_for, load_training_run
+from navit_lightning.utils.checkpoints import (
+    build_from_checkpoint,
+    data_for,
+    data_keys_given,
+    load_training_run,
+)
 from navit_lightning.utils.entry_point import launch, run_task
 from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.shutdown import explain_collective_failure
@@ -119,7 +124,7 @@ def predict(cfg: DictConfig) -> Path:
     L.seed_everything(cfg.seed, workers=True)
     paths = image_files(Path(cfg.input))
     run, class_names = load_training_run(cfg.ckpt_path)
-    data = OmegaConf.merge(data_for(cfg, run), {"generate": None})  # nothing to generate
+    data = OmegaConf.merge(data_for(cfg, run, data_keys_given()), {"generate": None})  # nothing to generate
     output = Path(cfg.paths.output_dir) / "predictions.csv"
     writer = PredictionWriter(output, paths, class_names, cfg.top_k)
     callbacks = [*instantiate_group(cfg.get("callbacks")), writer]

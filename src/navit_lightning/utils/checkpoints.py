@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+from collections.abc import Collection
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import hydra
 import lightning as L
 import torch
+from hydra.core.hydra_config import HydraConfig
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
@@ -225,14 +227,34 @@ def check_same_classes(data_names: list[str], run_names: list[str], ckpt_path: s
     )
 
 
-def data_for(cfg: DictConfig, run: DictConfig) -> DictConfig:
-    """eval.py's and predict.py's data: a data group chosen on the command line (data=imagefolder
-    data.root=...) as it is; else the training run's, with the data.* settings given
-    (data.rows=4, +data.max_images_per_row=8) laid over it."""
+# What a data group given to eval.py or predict.py decides: where the images come from. The
+# network was trained on the run's image sizes, batch shape and split, which its defaults
+# would replace (imagefolder's data.max_patches=36 for a run trained at 144).
+SOURCE_SETTINGS = ("_target_", "root", "shards", "generate", "index_dir")
+
+
+def data_for(cfg: DictConfig, run: DictConfig, given: Collection[str] = ()) -> DictConfig:
+    """eval.py's and predict.py's data: the training run's, with the data.* settings `given`
+    on the command line laid over it (data.rows=4, +data.max_images_per_row=8), and with a
+    data group chosen there (data=imagefolder data.root=...) its source too. A group of
+    another datamodule class is taken as it is."""
     data = cfg.get("data") or {}
-    if "_target_" in data:
+    group = "_target_" in data
+    if group and data._target_ != run.data.get("_target_"):
         return data
-    return OmegaConf.merge(run.data, {key: value for key, value in data.items() if value is not None})
+    if group:  # its source, and what the command line set; unresolved (data.patch_size=${model...})
+        chosen = OmegaConf.masked_copy(data, [key for key in data if key in SOURCE_SETTINGS or key in given])
+    else:  # eval.yaml's and predict.yaml's data.* settings are null unless given
+        chosen = {key: value for key, value in data.items() if value is not None}
+    return OmegaConf.merge(run.data, chosen)
+
+
+def data_keys_given() -> set[str]:
+    """The data.* keys the command line of this Hydra job sets (data.rows=4, +data.x=1)."""
+    if not HydraConfig.initialized():
+        return set()
+    keys = (override.split("=", 1)[0].lstrip("+~") for override in HydraConfig.get().overrides.task)
+    return {key.split(".")[1] for key in keys if key.startswith("data.")}
 
 
 def build_from_checkpoint(
