@@ -82,7 +82,7 @@ def budgets_that_fit(budgets: list[int], datamodule: Any, net: Any, split: str) 
     absolute position tables (model.net.max_grid), named in a warning: its evaluation would
     stop at that image, after the whole fit (and under ddp on one rank, which the others
     wait for). Every rank leaves out the same ones: they come from the data's sizes."""
-    if net.pos_embed.fractional:
+    if not budgets or net.pos_embed.fractional:
         return budgets
     datamodule.setup("validate")  # after a fit a no-op, but in ddp_spawn's first process
     longest = {budget: datamodule.longest_side(split, budget) for budget in budgets}
