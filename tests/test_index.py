@@ -89,12 +89,18 @@ def test_many_files_are_read_by_a_pool_to_the_same_sizes(tmp_path, monkeypatch):
     assert pooled.reasons == alone.reasons
 
 
-def test_a_read_only_folder_is_refused_with_the_fix_and_indexed_into_index_dir(tmp_path, monkeypatch):
+def test_a_read_only_folder_is_refused_with_the_fix_and_indexed_into_index_dir(tmp_path, monkeypatch, capsys):
     root = make_folder(tmp_path / "images")
     monkeypatch.setattr(index.os, "access", lambda path, mode: False)  # as a read-only mount says
-    with pytest.raises(DataError, match=r"set data\.index_dir"):
+    with pytest.raises(DataError, match=r"set data\.index_dir \(train\.py\) or --index-dir"):
         index_folder(root)
-    index_folder(root, index_dir=tmp_path / "cache")
+    # the command: one line and exit code 2 (a traceback before), then its own --index-dir
+    monkeypatch.setattr(sys, "argv", ["index", str(root)])
+    with pytest.raises(SystemExit) as refused:
+        index.main()
+    assert refused.value.code == 2 and "error: image folder" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["index", str(root), "--index-dir", str(tmp_path / "cache")])
+    index.main()
     assert manifest_path(root, tmp_path / "cache").is_file() and not (root / index.MANIFEST_NAME).exists()
 
 

@@ -68,6 +68,16 @@ def test_shards_give_the_folders_batches_and_skip_a_broken_sample(
     assert from_shards.datasets["train"].take_unreadable_count() == 1
 
 
+def test_a_read_only_folder_is_sharded_with_its_manifest_in_index_dir(project_root, tmp_path, monkeypatch):
+    """The command could not shard a read-only folder: its manifest had nowhere to go."""
+    from navit_lightning.data import index
+
+    monkeypatch.setattr(index.os, "access", lambda path, mode: False)  # as a read-only mount says
+    root = project_root / "data" / "shapes"
+    write_shards(root, tmp_path / "shards", index_dir=tmp_path / "cache")
+    assert any((tmp_path / "cache").iterdir()) and list((tmp_path / "shards").glob("val-*.tar"))
+
+
 def test_a_folder_without_shards_is_refused_with_the_command_that_writes_them(tmp_path):
     with pytest.raises(DataError, match=r"python -m navit_lightning\.data\.shards"):
         PackedImageDataModule(str(tmp_path), shards=True).class_names()

@@ -251,7 +251,10 @@ def index_folder(root: Path, index_dir: str | Path | None = None, workers: int =
     removed = 0 if old is None or paths == old.paths else len(set(old.paths.tolist()) - set(names))
     if old is None or len(to_read) or removed:
         if index_dir is None and not os.access(root, os.W_OK):
-            raise DataError(f"image folder {root} is read-only: set data.index_dir to a writable folder")
+            raise DataError(
+                f"image folder {root} is read-only: set data.index_dir (train.py) or --index-dir "
+                "(the index and shards commands) to a writable folder"
+            )
         manifest.save(path)
     log.info(
         "indexed %d image files under %s in %.1f s: %d read (new or changed), %d gone, %d unreadable; "
@@ -278,7 +281,10 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not args.folder.is_dir():
         parser.error(f"{args.folder} is not a folder")
-    index_folder(args.folder, args.index_dir, args.workers)
+    try:
+        index_folder(args.folder, args.index_dir, args.workers)
+    except DataError as error:
+        parser.exit(2, f"error: {error}\n")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Tar shards of an image folder, for clusters whose file systems dislike many small files.
 
     python -m navit_lightning.data.shards <image folder> <shard folder> [--samples-per-shard 5000]
+        [--index-dir DIR]
 
 writes <split>-000000.tar, ... in the webdataset layout (each image as <key>.<ext> next to
 <key>.cls, its class number, and <key>.json, its path in the folder), a wids index per split
@@ -38,9 +39,12 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def write_shards(folder: Path, out: Path, samples_per_shard: int = 5000, workers: int = 1) -> Manifest:
-    """Shard every readable image under `folder` into `out` (see the module's doc)."""
-    manifest = index_folder(folder, workers=workers)
+def write_shards(
+    folder: Path, out: Path, samples_per_shard: int = 5000, workers: int = 1, index_dir: Path | None = None
+) -> Manifest:
+    """Shard every readable image under `folder` into `out` (see the module's doc); the
+    folder's manifest in `index_dir` where the folder is read-only."""
+    manifest = index_folder(folder, index_dir, workers=workers)
     folders = split_folders({path.name for path in folder.iterdir() if path.is_dir()})
     classes = find_classes(folder / "train" if folders != [""] else folder)
     out.mkdir(parents=True, exist_ok=True)
@@ -124,10 +128,13 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--samples-per-shard", type=int, default=5000)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--index-dir", type=Path, help="where the folder's manifest goes if it is read-only")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not args.folder.is_dir():
+        parser.error(f"{args.folder} is not a folder")
     try:
-        write_shards(args.folder, args.out, args.samples_per_shard, args.workers)
+        write_shards(args.folder, args.out, args.samples_per_shard, args.workers, args.index_dir)
     except DataError as error:
         parser.exit(2, f"error: {error}\n")
 
