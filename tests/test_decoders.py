@@ -3,6 +3,8 @@ against Pillow's path, and the decoder benchmark."""
 
 import io
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -129,3 +131,17 @@ def test_the_benchmark_measures_every_decoder_on_photo_like_files(tmp_path: Path
     assert [f.decoder for f in figures] == list(loaded)
     assert figures[0].ratio == 1.0 and all(f.grids_equal and f.images_per_s > 0 for f in figures)
     assert "| simplejpeg | 36 |" in bench.table(figures)
+
+
+def test_a_folder_without_jpegs_is_refused_with_one_line(tmp_path: Path):
+    """It divided by the number of JPEG files: a ZeroDivisionError."""
+    Image.new("RGB", (8, 8)).save(tmp_path / "only.png")
+    result = subprocess.run(
+        [sys.executable, "-m", "navit_lightning.bench.decoders", "--folder", str(tmp_path), "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        result.returncode == 2 and "holds no JPEG files" in result.stderr and "Traceback" not in result.stderr
+    )

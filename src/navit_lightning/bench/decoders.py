@@ -215,6 +215,10 @@ def main() -> None:
         if args.folder:
             paths = sorted(p for p in args.folder.rglob("*") if p.suffix.lower() in {".jpg", ".jpeg"})
             paths = paths[: args.count]
+            if not paths:
+                parser.error(
+                    f"--folder {args.folder} holds no JPEG files (.jpg, .jpeg): the decoders read JPEGs"
+                )
         else:
             paths = write_photo_folder(Path(temporary), args.count, args.max_side)
         print(
