@@ -8,23 +8,24 @@ It composes the same config as train.py (so `data=imagefolder data.root=DIR`, `m
   - plan: fill (real tokens / capacity; with and without the epoch's last, partial batch),
     mean images per batch, planning time per batch;
   - loader: images/s and tokens/s delivered by the DataLoader with its workers;
-  - train step: images/s and tokens/s one forward+backward+AdamW step of the model consumes.
+  - train step: images/s and tokens/s that train.py's step (forward, backward, clipping, the
+    optimizer and schedule, on the config's device and precision) consumes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 import hydra
-import torch
 from omegaconf import open_dict
 
 from navit_lightning.bench import train_config
+from navit_lightning.bench.step import bare_step_ms
 from navit_lightning.data.datamodule import PackedImageDataModule
+from navit_lightning.utils.entry_point import tidy_lightning_output
 
 
 def measure(overrides: list[str], batches: int) -> dict[str, float]:
@@ -55,16 +56,12 @@ def measure(overrides: list[str], batches: int) -> dict[str, float]:
     with open_dict(cfg):
         cfg.model.num_classes = datamodule.num_classes
     model = hydra.utils.instantiate(cfg.model)
-    optimizer = torch.optim.AdamW(model.parameters())
-    step_times = []
-    for batch in collected:
-        start = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(model(batch), batch.labels[batch.image_slots])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step_times.append(time.perf_counter() - start)
-    step_seconds = statistics.median(step_times[1:])  # the first step warms up the allocator
+    # train.py's step on its device and precision (bench.step's bare step); the first batch
+    # warms up the allocator
+    trainer = hydra.utils.instantiate(
+        cfg.trainer, default_root_dir=None, logger=False, callbacks=[], enable_checkpointing=False
+    )
+    step_seconds = bare_step_ms(model, trainer, cfg, collected, warmup=1, steps=len(collected) - 1) / 1e3
     measured = collected[1:]
     mean_images = sum(b.num_images for b in measured) / len(measured)
     mean_tokens = sum(b.num_real_tokens for b in measured) / len(measured)
@@ -92,6 +89,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=30, help="batches to time (default 30)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args()
+    tidy_lightning_output()
     f = measure(args.overrides, args.batches)
     print(
         f"plan:       {f['rows']} rows x {f['row_len']} tokens, fill {f['fill']:.1%} "
