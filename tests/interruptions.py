@@ -7,10 +7,11 @@ import lightning as L
 
 
 class InterruptAtStep(L.Callback):
-    """At global step `step`: raise an error on every rank (`how=error`); send the last
-    rank's process SIGTERM (`how=sigterm`: what a cluster's scheduler sends before it stops a
-    job, and which reaches the ranks at different moments, here the other ranks never); or
-    send every rank's process SIGKILL (`how=sigkill`, a node lost: nothing runs after it)."""
+    """At global step `step`: raise an error on every rank (`how=error`), or on the last rank
+    alone (`how=error_on_last_rank`: one GPU out of memory); send the last rank's process
+    SIGTERM (`how=sigterm`: what a cluster's scheduler sends before it stops a job, and which
+    reaches the ranks at different moments, here the other ranks never); or send every
+    rank's process SIGKILL (`how=sigkill`, a node lost: nothing runs after it)."""
 
     def __init__(self, step: int, how: str) -> None:
         self.step, self.how = step, how
@@ -18,9 +19,10 @@ class InterruptAtStep(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
         if trainer.global_step != self.step:
             return
-        if self.how == "error":
+        last_rank = trainer.global_rank == trainer.world_size - 1
+        if self.how == "error" or (self.how == "error_on_last_rank" and last_rank):
             raise RuntimeError(f"interrupted at step {self.step} on purpose")
         if self.how == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
-        elif trainer.global_rank == trainer.world_size - 1:
+        elif self.how == "sigterm" and last_rank:
             os.kill(os.getpid(), signal.SIGTERM)

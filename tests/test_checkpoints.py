@@ -253,6 +253,14 @@ def test_an_error_or_a_signal_mid_epoch_leaves_last_ckpt_at_that_step(run_entry_
     )
     output = result.stdout + result.stderr
     checkpoints = run / "checkpoints"
+    if how == "error" and ranks:
+        # An error is one rank's as far as a rank can tell, and a save needs every rank: a rank
+        # that failed alone waited in the save's barrier for collective_timeout_s (300 s), then
+        # ended with the barrier's error in place of its own.
+        assert result.returncode == 1 and not checkpoints.exists()
+        assert "RuntimeError: interrupted at step 3 on purpose" in output
+        assert "at step 3, not saved (every rank would have to join the save)" in output
+        return
     assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 3
     # Under ddp only the last rank gets SIGTERM, and every rank stops before step 3. Lightning's
     # own handling left them in different collectives until the watchdog stopped them.
@@ -262,6 +270,25 @@ def test_an_error_or_a_signal_mid_epoch_leaves_last_ckpt_at_that_step(run_entry_
     assert "not handled within" not in output
     assert result.returncode == (128 + signal.SIGTERM if how == "sigterm" else 1)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]  # written once, nothing else
+
+
+def test_an_error_on_one_ddp_rank_ends_the_run_at_once_with_that_error(run_entry_point):
+    """That rank waited in the save's barrier, which the others never reach, for
+    collective_timeout_s, then ended with the barrier's error; its own was never shown."""
+    result = run_entry_point(
+        "train.py",
+        *TINY_RUN,
+        *DDP_TWO_RANKS,
+        "trainer.strategy.collective_timeout_s=600",  # a wait for it would outlast the test
+        "+callbacks.interrupt._target_=tests.interruptions.InterruptAtStep",
+        "+callbacks.interrupt.step=3",
+        "+callbacks.interrupt.how=error_on_last_rank",
+        check=False,
+        timeout=240,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert "RuntimeError: interrupted at step 3 on purpose" in output, output[-3000:]
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ a run starts from one; and what eval.py and predict.py rebuild from one."""
 
 from __future__ import annotations
 
+import logging
 import os
 import zipfile
 from collections.abc import Collection
@@ -22,6 +23,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from navit_lightning.errors import ConfigError
 from navit_lightning.utils.instantiate import dotted_settings, instantiate_group
 from navit_lightning.utils.shutdown import is_collective_failure
+
+log = logging.getLogger(__name__)
 
 # What Lightning's own ckpt_path accepts besides a file.
 LIGHTNING_CKPT_NAMES = {"last", "best", "hpc", "registry"}
@@ -81,9 +84,18 @@ class ResumeCheckpoint(ModelCheckpoint):
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
-        # Saving enters a barrier, which a broken process group cannot run: the collective's
-        # own one-line error (utils/shutdown.py) must not become the save's traceback.
-        if trainer.world_size > 1 and is_collective_failure(exception):
+        # Saving enters a barrier that every rank must reach. Across ranks only a stop they
+        # all make at once (SIGTERM, through StopTogetherOnSigterm; Ctrl-C) reaches it; an
+        # error is one rank's (one GPU out of memory), or a broken process group's: that
+        # rank waited in the barrier for collective_timeout_s, then exited with the
+        # barrier's error in place of its own.
+        if trainer.world_size > 1 and isinstance(exception, Exception):
+            if not is_collective_failure(exception):  # which says so in its own line
+                log.warning(
+                    f"rank {trainer.global_rank}: {type(exception).__name__} at step "
+                    f"{trainer.global_step}, not saved (every rank would have to join the save): "
+                    "ckpt_path=last resumes from the last periodic or epoch save"
+                )
             return
         # last.ckpt only: ModelCheckpoint would also write a step-named copy
         if self._should_save_on_exception(trainer):
