@@ -22,18 +22,22 @@ def test_the_sbatch_script_is_valid_bash_and_its_overrides_compose():
     env = {
         "$SLURM_JOB_NUM_NODES": directives["nodes"],
         "$SLURM_NTASKS_PER_NODE": directives["ntasks-per-node"],
+        "$SLURM_JOB_ID": "42",
     }
     overrides = [arg for arg in shlex.split(command.splitlines()[0]) if arg not in ("$@", "&")]
     overrides = [re.sub(r"\$\w+", lambda m: env[m.group(0)], arg) for arg in overrides]
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
+        cfg = compose("train", overrides=overrides, return_hydra_config=True)
     assert cfg.trainer.num_nodes == 2 and cfg.trainer.devices == 4
+    # a requeued job's folder, with one task too (run_stamp names it by job only for several)
+    assert cfg.hydra.run.dir == f"{cfg.paths.log_dir}/train/runs/slurm-42"
     assert cfg.trainer.strategy._target_.endswith("HydraDDPStrategy")
     assert cfg.ckpt_path == "last"  # a requeued job resumes in its own folder
 
 
 FAKE_TRAINING = """#!/bin/bash
 # train.py stand-in: records its arguments, stops on SIGTERM as Lightning does (exit 1)
+echo $$ > task
 echo "$@" > started
 if [ -n "${FAKE_EXIT:-}" ]; then exit "$FAKE_EXIT"; fi
 trap 'echo stopped > stopped; exit 1' TERM
@@ -43,14 +47,15 @@ for _ in $(seq 600); do sleep 0.1; done
 
 def run_sbatch(tmp_path, signal_at_s: float | None = None, exit_code: int | None = None) -> int:
     """The batch script with stand-ins for python (running until SIGTERM, or ending at once
-    with exit_code), srun and scontrol; USR1 (SLURM's warning before the time limit) sent
-    after signal_at_s seconds, if given."""
+    with exit_code), srun, scancel (signals the job's task, as SLURM's does) and scontrol;
+    USR1 (SLURM's warning before the time limit) sent after signal_at_s seconds, if given."""
     bin_dir = tmp_path / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
     (bin_dir / "activate").write_text(f'export PATH="{bin_dir}:{REPO / "tests" / "bin"}:$PATH"\n')
     for name, text in [
         ("python", FAKE_TRAINING),
         ("scontrol", '#!/bin/sh\necho "$@" > "$(dirname "$0")/../../scontrol"\n'),
+        ("scancel", '#!/bin/sh\necho "$@" > scancel\nkill -TERM "$(cat task)"\n'),
     ]:
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
@@ -74,8 +79,11 @@ def run_sbatch(tmp_path, signal_at_s: float | None = None, exit_code: int | None
 
 def test_the_sbatch_script_requeues_its_job_when_the_time_limit_nears(tmp_path):
     assert run_sbatch(tmp_path, signal_at_s=0.5) == 0
-    assert "ckpt_path=last seed=3" in (tmp_path / "started").read_text()
-    assert (tmp_path / "stopped").exists()  # the training got SIGTERM
+    started = (tmp_path / "started").read_text()
+    assert "ckpt_path=last hydra.run.dir=${paths.log_dir}/${task_name}/runs/slurm-42 seed=3" in started
+    # the tasks got SIGTERM from SLURM: srun, given it, would have SIGKILLed them unsaved
+    assert (tmp_path / "scancel").read_text().split() == ["--signal=TERM", "42"]
+    assert (tmp_path / "stopped").exists()
     assert (tmp_path / "scontrol").read_text().split() == ["requeue", "42"]
 
 

@@ -119,7 +119,8 @@ def as_run_here(command: str, run: str, images: Path) -> tuple[str, Path | None]
         # optional flags left out: test_bench runs --ablate
         return re.sub(r"\s*\[--[^\]]*\]", "", filled) + steps, None
     if filled.startswith("sbatch scripts/train.sbatch"):  # no SLURM: one task, srun a pass-through
-        return f"bash scripts/train.sbatch {' '.join(filled.split(maxsplit=2)[2:])} {shrink}", REPO
+        overrides = " ".join(filled.split(maxsplit=2)[2:])
+        return f"SLURM_JOB_ID=42 bash scripts/train.sbatch {overrides} {shrink}", REPO
     if filled == 'pip install -e ".[cluster]"':  # installed by make's dev extra: the plugin imports
         return f"{sys.executable} -c 'import hydra_plugins.hydra_submitit_launcher.submitit_launcher'", None
     if filled == "make train":
