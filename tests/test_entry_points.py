@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import DDP_TWO_RANKS, TINY_RUN, logged_scalars
+from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, logged_scalars
 from tests.test_configs import compose_train
 
 pytestmark = pytest.mark.slow
@@ -192,6 +192,33 @@ def test_two_ddp_ranks_take_the_step_of_one_process_accumulating_their_two_batch
     assert weights[0].keys() == weights[1].keys()
     for name in weights[0]:
         torch.testing.assert_close(weights[0][name], weights[1][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_ddp_ranks_read_the_configs_the_command_named(run_entry_point, tmp_path):
+    """Rank 1 was started with neither --config-path nor the hydra.* settings: it built the
+    network of the repository's configs (49 parameters against 81: DDP refused), and could
+    not find an experiment in a hydra.searchpath folder (the run was killed)."""
+    configs = tmp_path / "configs"
+    shutil.copytree(REPO / "configs", configs)
+    tiny = configs / "model" / "navit_tiny.yaml"
+    tiny.write_text(tiny.read_text().replace("depth: 4", "depth: 2"))
+    extra = tmp_path / "extra" / "experiment"
+    extra.mkdir(parents=True)
+    (extra / "wider.yaml").write_text("# @package _global_\nmodel:\n  net:\n    dim: 48\n")
+    run = run_entry_point.root / "run"
+    run_entry_point(
+        "train.py",
+        "--config-path",
+        str(configs),
+        f"hydra.searchpath=[file://{extra.parent}]",
+        "experiment=wider",
+        *[o for o in TINY_RUN if not o.startswith("model.")],  # the configs' model counts
+        *DDP_TWO_RANKS,
+        "patch_budgets=null",
+        f"hydra.run.dir={run}",
+    )
+    config = (run / ".hydra" / "config.yaml").read_text()
+    assert "depth: 2" in config and "dim: 48" in config
 
 
 def test_torchrun_two_processes_on_cpu(run_entry_point):

@@ -50,9 +50,21 @@ from navit_lightning.utils.entry_point import tidy_lightning_output
 from navit_lightning.utils.launch import QUIET_RANK_OVERRIDES
 from navit_lightning.utils.shutdown import end_promptly_on_signals
 
+# Hydra settings a rank's command sets below, in place of the parent's (hydra.mode=MULTIRUN
+# in a sweep's job)
+RANK_HYDRA_SETTINGS = (
+    "hydra.mode",
+    "hydra.run.dir",
+    "hydra.job.name",
+    "hydra.output_subdir",
+    "hydra.job_logging",
+)
+
 
 def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
-    """The command line and working directory that rerun the current Hydra job as `local_rank`."""
+    """The command line and working directory that rerun the current Hydra job as `local_rank`:
+    its config folders (--config-path, --config-dir), its hydra.* settings (a searchpath of
+    more config groups) and its overrides."""
     hydra_cfg = HydraConfig.get()
     if __main__.__spec__ is None:
         command = [sys.executable, to_absolute_path(sys.argv[0])]
@@ -60,8 +72,11 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
         command = [sys.executable, "-m", __main__.__spec__.name]
     command += ["--config-name", hydra_cfg.job.config_name]
     for source in hydra_cfg.runtime.config_sources:
+        if source.provider == "main" and source.schema == "file":  # hydra.main's, or --config-path
+            command += ["--config-path", source.path]
         if source.provider == "command-line":  # a --config-dir given to the parent
             command += ["--config-dir", source.path.removeprefix("file://")]
+    command += [o for o in hydra_cfg.overrides.hydra if not o.lstrip("+~").startswith(RANK_HYDRA_SETTINGS)]
     command += list(hydra_cfg.overrides.task)
     output_dir = Path(hydra_cfg.runtime.output_dir).as_posix()
     command += [f'hydra.run.dir="{output_dir}"', f"hydra.job.name=train_ddp_process_{local_rank}"]
