@@ -36,6 +36,8 @@ NEEDS_PACKAGE = {"logger=mlflow": "mlflow", "logger=wandb": "wandb"}
 def compose_train(overrides: list[str], tmp_path: Path, project_root: Path):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=overrides, return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(tmp_path)  # as a run's: its log file goes there
     HydraConfig().set_config(cfg)
     with open_dict(cfg):
         cfg.paths.output_dir = str(tmp_path)

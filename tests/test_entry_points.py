@@ -221,6 +221,15 @@ def test_ddp_ranks_read_the_configs_the_command_named(run_entry_point, tmp_path)
     assert "depth: 2" in config and "dim: 48" in config
 
 
+@pytest.mark.parametrize("ranks", [[], DDP_TWO_RANKS], ids=["one", "ddp"])
+def test_a_job_logging_hydra_offers_runs(run_entry_point, ranks):
+    """The run's log file name was laid over whichever job logging, and one without a file
+    handler (disabled, stdout) failed at start: `Unable to configure handler 'file'`."""
+    run = run_entry_point.root / "run"
+    run_entry_point("train.py", "hydra/job_logging=stdout", *TINY_RUN, *ranks, f"hydra.run.dir={run}")
+    assert not list(run.glob("*.log"))
+
+
 def test_torchrun_two_processes_on_cpu(run_entry_point):
     """Lightning detects torchrun's environment and runs ddp in the processes it started;
     they agree on one run folder (rank 0's clock) and rank 1 writes no log or .hydra."""

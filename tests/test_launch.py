@@ -93,3 +93,10 @@ def test_only_rank_zero_of_a_slurm_launch_keeps_the_log_file(monkeypatch, tmp_pa
         assert (handler in root.handlers) == keeps_file
     finally:
         root.removeHandler(handler)
+
+
+def test_quiet_ranks_leave_a_job_logging_the_command_chose_alone():
+    """Its handlers may not be the default's: hydra/job_logging=disabled has no file handler
+    for the quiet ranks' settings to change, and they failed its start."""
+    assert launch.quiet_overrides(["seed=1"]) == list(launch.QUIET_RANK_OVERRIDES)
+    assert launch.quiet_overrides(["hydra/job_logging=disabled"]) == ["hydra.output_subdir=null"]

@@ -47,7 +47,7 @@ from torchmetrics.utilities.prints import rank_zero_only as torchmetrics_rank_ze
 
 import __main__
 from navit_lightning.utils.entry_point import tidy_lightning_output
-from navit_lightning.utils.launch import QUIET_RANK_OVERRIDES
+from navit_lightning.utils.launch import quiet_overrides
 from navit_lightning.utils.shutdown import end_promptly_on_signals
 
 # Hydra settings a rank's command sets below, in place of the parent's (hydra.mode=MULTIRUN
@@ -83,7 +83,7 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
     # a single run even where the config asks for a sweep (hparams_search sets hydra.mode):
     # the job's overrides hold the trial's values, which every rank must train
     command += ["hydra.mode=RUN"]
-    command += QUIET_RANK_OVERRIDES
+    command += quiet_overrides(command)
     return command, get_original_cwd()
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -18,7 +20,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 # Appended to the command line of every process but the first: no second .hydra folder, no
-# second writer of <task_name>.log (the handler stays configured, but never opens the file).
+# second writer of the job's log file, <job name>.log (the handler stays configured, but
+# never opens the file).
 QUIET_RANK_OVERRIDES = (
     "hydra.output_subdir=null",
     "hydra.job_logging.root.handlers=[console]",
@@ -37,8 +40,17 @@ def external_launch_rank() -> int | None:
 
 
 def quiet_rank_overrides() -> list[str]:
-    rank = external_launch_rank()
-    return list(QUIET_RANK_OVERRIDES) if rank else []
+    """QUIET_RANK_OVERRIDES for this process's command line, if it is not the first."""
+    return quiet_overrides(sys.argv[1:]) if external_launch_rank() else []
+
+
+def quiet_overrides(arguments: Sequence[str]) -> list[str]:
+    """QUIET_RANK_OVERRIDES for a process but the first with these command-line `arguments`.
+    Their logging ones change the default job logging's handlers: a job logging the command
+    chose (hydra/job_logging=stdout, disabled) may have none, and they would fail its start;
+    RankZeroLogFile drops the file handler of a torchrun or SLURM task instead."""
+    chosen = any(argument.lstrip("+~").startswith("hydra/job_logging=") for argument in arguments)
+    return [o for o in QUIET_RANK_OVERRIDES if not (chosen and o.lstrip("+").startswith("hydra.job_logging"))]
 
 
 def run_stamp(pattern: str) -> str:
