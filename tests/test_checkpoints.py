@@ -374,12 +374,20 @@ def test_a_run_stopped_mid_epoch_resumes_exactly(run_entry_point, ranks, how, sa
 
 
 @pytest.mark.slow
-def test_a_run_killed_in_a_later_epoch_resumes_exactly(run_entry_point):
+@pytest.mark.parametrize(
+    ("rows", "first_epoch", "saved_at"),
+    [(4, 8, 10), (2, 15, 18)],
+    ids=["equal-epochs", "a-longer-second-epoch"],
+)
+def test_a_run_killed_in_a_later_epoch_resumes_exactly(run_entry_point, rows, first_epoch, saved_at):
     """Lightning asks for the train loader at every epoch (trainer.reload_dataloaders_every_n_epochs):
-    killed in epoch 1 after its checkpoint at step 10 (epoch 0 has 8 batches), the resumed
-    run goes on from that batch of that epoch, with the losses of the run never stopped."""
+    killed in epoch 1 after its checkpoint at step `saved_at`, the resumed run goes on from
+    that batch of that epoch, with the losses of the run never stopped. With 2 rows the
+    second epoch packs into 16 batches against the first's 15, and the resumed run took
+    Lightning's estimate of its schedule's length from it: another cosine from there."""
     command = [
         *TINY_RUN,
+        f"data.rows={rows}",
         "trainer.max_epochs=2",
         "test=false",
         "patch_budgets=null",
@@ -389,13 +397,13 @@ def test_a_run_killed_in_a_later_epoch_resumes_exactly(run_entry_point):
     whole, stopped = run_entry_point.root / "whole", run_entry_point.root / "stopped"
     run_entry_point("train.py", *command, f"hydra.run.dir={whole}")
     expected = logged_scalars(whole / "tensorboard")
-    assert expected["train/loss_epoch"][0][0] == 7  # epoch 0: 8 batches
-    stop_at_step(run_entry_point, command, stopped, 11)
-    assert torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 10
+    assert expected["train/loss_epoch"][0][0] == first_epoch - 1
+    stop_at_step(run_entry_point, command, stopped, saved_at + 1)
+    assert torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == saved_at
     first_events = set((stopped / "tensorboard").iterdir())
     run_entry_point("train.py", *command, f"hydra.run.dir={stopped}", "ckpt_path=last")
     resumed = losses_logged_since(stopped, first_events)
-    assert resumed == [(step, loss) for step, loss in expected["train/loss_step"] if step >= 10]
+    assert resumed == [(step, loss) for step, loss in expected["train/loss_step"] if step >= saved_at]
     # the best accuracy over both epochs, not over the epoch after the resume
     resumed_best = [
         value

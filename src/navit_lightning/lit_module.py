@@ -128,6 +128,9 @@ class NaViTClassifier(L.LightningModule):
         self.flops_per_batch = 0
         # The images of this optimizer step's batches so far, on this rank (see training_step).
         self._step_images = 0
+        # The schedule's length and what it follows (configure_optimizers), and a checkpoint's.
+        self._schedule: dict | None = None
+        self._saved_schedule: dict | None = None
 
     def setup(self, stage: str) -> None:
         if self.compile and stage == "fit":
@@ -257,17 +260,44 @@ class NaViTClassifier(L.LightningModule):
         # A metric's state is not in the state_dict: a resumed run's val/acc_best (train.py's
         # hp/val_acc, the value a sweep optimises) would be the best since the resume.
         checkpoint["val_acc_best"] = float(self.val_acc_best.max_value)
+        if self._schedule is not None:
+            checkpoint["schedule"] = self._schedule
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # before configure_optimizers, where a resume takes its run's schedule length back
         if "val_acc_best" in checkpoint:  # not in checkpoints from before it was kept
             self.val_acc_best.max_value.fill_(checkpoint["val_acc_best"])
+        self._saved_schedule = checkpoint.get("schedule")
+
+    def _schedule_settings(self) -> list:
+        """What the schedule's length follows: a resume with other values has another one."""
+        trainer = self.trainer
+        step_tokens = getattr(trainer.datamodule, "step_tokens", None)
+        return [
+            trainer.max_epochs,
+            trainer.max_steps,
+            trainer.accumulate_grad_batches,
+            trainer.world_size,
+            str(trainer.limit_train_batches),
+            step_tokens() if step_tokens else None,
+        ]
 
     def configure_optimizers(self) -> dict:
         optimizer = self.optimizer_factory(params=parameter_groups(self))
         self._scale_learning_rate(optimizer)
         if self.scheduler_factory is None:
             return {"optimizer": optimizer}
-        scheduler = self.scheduler_factory(optimizer, self.trainer.estimated_stepping_batches)
+        # Lightning's estimate counts the batches of the epoch its loader is at: a run resumed
+        # in an epoch packed into a batch more or fewer than the first (each epoch is packed
+        # anew) had another schedule from there. The run's own length, where its settings are.
+        settings = self._schedule_settings()
+        saved = self._saved_schedule
+        if saved and saved["settings"] == settings:
+            steps = saved["steps"]
+        else:
+            steps = self.trainer.estimated_stepping_batches
+        self._schedule = {"steps": steps, "settings": settings}
+        scheduler = self.scheduler_factory(optimizer, steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _scale_learning_rate(self, optimizer: torch.optim.Optimizer) -> None:
