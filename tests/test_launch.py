@@ -56,9 +56,9 @@ def test_slurm_tasks_name_the_run_by_job_and_step(monkeypatch):
     assert launch.external_launch_rank() == 3 and launch.quiet_rank_overrides()
 
 
-@pytest.mark.parametrize("env", [{}, {"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}])
+@pytest.mark.parametrize("env", [{}, {"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, {"NODE_RANK": "0"}])
 def test_a_lone_process_uses_its_clock_and_writes_everything(monkeypatch, env):
-    for name in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID"):
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID", "NODE_RANK"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -100,3 +100,12 @@ def test_quiet_ranks_leave_a_job_logging_the_command_chose_alone():
     for the quiet ranks' settings to change, and they failed its start."""
     assert launch.quiet_overrides(["seed=1"]) == list(launch.QUIET_RANK_OVERRIDES)
     assert launch.quiet_overrides(["hydra/job_logging=disabled"]) == ["hydra.output_subdir=null"]
+
+
+def test_a_node_but_the_first_of_a_launch_by_hand_is_quiet(monkeypatch):
+    """NODE_RANK=1 python train.py ...: it wrote a .hydra folder and a train.log of its own."""
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NODE_RANK", "1")
+    monkeypatch.setattr(launch.sys, "argv", ["train.py"])
+    assert launch.quiet_rank_overrides() == list(launch.QUIET_RANK_OVERRIDES)

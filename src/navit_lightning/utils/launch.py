@@ -31,11 +31,15 @@ STAMP_KEY = "navit_lightning/run_stamp"
 
 
 def external_launch_rank() -> int | None:
-    """This process's global rank when torchrun or SLURM (srun) started several; else None."""
+    """This process's global rank when torchrun or SLURM (srun) started several; the node's
+    rank of a launch by hand on a node but the first (NODE_RANK=1 python train.py ...: not
+    0, which is rank 0's, but quiet as a rank above it); else None."""
     if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         return int(os.environ["RANK"])
     if int(os.environ.get("SLURM_NTASKS", 1)) > 1 and "SLURM_PROCID" in os.environ:
         return int(os.environ["SLURM_PROCID"])
+    if int(os.environ.get("NODE_RANK", 0)) > 0:
+        return int(os.environ["NODE_RANK"])
     return None
 
 
