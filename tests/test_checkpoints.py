@@ -48,24 +48,28 @@ def built_model(*overrides: str):
     return hydra.utils.instantiate(cfg.model), cfg.model
 
 
-def test_resuming_another_network_or_an_ema_run_without_ema_is_refused(tmp_path):
+def test_resuming_another_network_other_classes_or_an_ema_run_without_ema_is_refused(tmp_path):
     model, config = built_model("model.num_classes=3")
+    classes = ["bird", "cat", "dog"]
     path = tmp_path / "last.ckpt"
     run_config = {"model": OmegaConf.to_container(config, resolve=True)}
-    torch.save({"state_dict": model.state_dict(), "run_config": run_config}, path)
-    check_resumable(*built_model("model.num_classes=3", "optimizer.lr=1e-2"), path, averaging=False)
+    torch.save({"state_dict": model.state_dict(), "run_config": run_config, "class_names": classes}, path)
+    check_resumable(*built_model("model.num_classes=3", "optimizer.lr=1e-2"), path, False, classes)
     with pytest.raises(
         ConfigError, match=re.escape("another network (model.net.dim=32 there, 64 here): resume")
     ):
         check_resumable(
-            *built_model("model.num_classes=3", "model.net.dim=64", "optimizer.lr=1e-2"), path, averaging=True
+            *built_model("model.num_classes=3", "model.net.dim=64", "optimizer.lr=1e-2"), path, True, classes
         )
+    # the cat folder renamed: the same number of classes, each label after it shifted
+    with pytest.raises(ConfigError, match=re.escape("(1 not trained on: kitty; 1 missing: cat): use data")):
+        check_resumable(model, config, path, False, ["bird", "dog", "kitty"])
     averaged = tmp_path / "ema.ckpt"
     state = model.state_dict()
     torch.save({"state_dict": state, "current_model_state": state, "run_config": run_config}, averaged)
-    check_resumable(model, config, averaged, averaging=True)
+    check_resumable(model, config, averaged, True, classes)  # saved before the names were: numbered
     with pytest.raises(ConfigError, match=r"was written with callbacks=ema \(its weights are the average\)"):
-        check_resumable(model, config, averaged, averaging=False)
+        check_resumable(model, config, averaged, False, classes)
 
 
 def test_init_from_loads_the_network_and_the_head_only_for_the_same_classes(tmp_path):
@@ -172,7 +176,7 @@ def test_a_whole_checkpoint_passes(tmp_path):
 def test_eval_data_must_have_the_checkpoints_classes():
     check_same_classes(["blue", "red"], ["blue", "red"], "run.ckpt")
     check_same_classes(["blue", "red"], ["0", "1"], "old.ckpt")  # saved before the names were
-    with pytest.raises(ConfigError, match=r"\(1 not trained on: zebra; 1 missing: red\): evaluate on"):
+    with pytest.raises(ConfigError, match=r"\(1 not trained on: zebra; 1 missing: red\): use data"):
         check_same_classes(["blue", "zebra"], ["blue", "red"], "run.ckpt")
     with pytest.raises(ConfigError, match=r"old.ckpt was trained on \(3 not trained on: a, b, c; 2 missing"):
         check_same_classes(["a", "b", "c"], ["0", "1"], "old.ckpt")

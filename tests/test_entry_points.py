@@ -96,7 +96,7 @@ def test_train_then_eval_reports_accuracy(run_entry_point):
         check=False,
     )
     assert result.returncode == 2
-    assert f"(1 not trained on: zebra; 1 missing: {first}): evaluate on data with the same class folders" in (
+    assert f"(1 not trained on: zebra; 1 missing: {first}): use data with the same class folders" in (
         result.stdout + result.stderr
     )
 

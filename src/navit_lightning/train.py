@@ -92,7 +92,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if ckpt_path is not None:
         # train=false evaluates a callbacks=ema checkpoint's weights, its average, as eval.py does
         averaging = not cfg.train or any(isinstance(c, WeightAveraging) for c in trainer.callbacks)
-        check_resumable(model, cfg.model, ckpt_path, averaging)
+        check_resumable(model, cfg.model, ckpt_path, averaging, datamodule.class_names())
     elif cfg.train and cfg.get("init_from") is not None:
         load_initial_weights(model, cfg.model, cfg.init_from, datamodule.class_names())
     with explain_collective_failure(trainer):

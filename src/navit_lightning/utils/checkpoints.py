@@ -138,18 +138,30 @@ def load_training_run(ckpt_path: str | Path) -> tuple[DictConfig, list[str]]:
     """The training config a checkpoint stores, and its class names in label order (as
     numbers for a checkpoint saved before they were stored)."""
     checkpoint = read_checkpoint(ckpt_path)
-    run = OmegaConf.create(checkpoint["run_config"])
-    names = checkpoint.get("class_names") or [str(label) for label in range(run.model.num_classes)]
-    return run, list(names)
+    return OmegaConf.create(checkpoint["run_config"]), run_class_names(checkpoint)
+
+
+def run_class_names(checkpoint: dict[str, Any]) -> list[str]:
+    """A checkpoint's class names in label order (as numbers where it predates them)."""
+    return list(
+        checkpoint.get("class_names")
+        or [str(label) for label in range(checkpoint["run_config"]["model"]["num_classes"])]
+    )
 
 
 def check_resumable(
-    model: torch.nn.Module, model_config: DictConfig, ckpt_path: str | Path, averaging: bool
+    model: torch.nn.Module,
+    model_config: DictConfig,
+    ckpt_path: str | Path,
+    averaging: bool,
+    class_names: list[str],
 ) -> None:
     """Refused here with one line, before launch: a checkpoint of another network (Lightning
-    would fail in every rank on a page of size mismatches), and one written with callbacks=ema
-    resumed without an averaging callback (Lightning would carry on from the average, which
-    the checkpoint holds as its weights, and drop the trained weights saved beside it)."""
+    would fail in every rank on a page of size mismatches), of other classes (`class_names`:
+    the data's; a renamed class folder would shift the labels without a word), and one
+    written with callbacks=ema resumed without an averaging callback (Lightning would carry
+    on from the average, which the checkpoint holds as its weights, and drop the trained
+    weights saved beside it)."""
     checkpoint = read_checkpoint(ckpt_path)
     if tensor_shapes(checkpoint["state_dict"]) != tensor_shapes(model.state_dict()):
         raise ConfigError(
@@ -157,6 +169,7 @@ def check_resumable(
             f"({setting_changes(checkpoint, model_config, 'model.')}): "
             "resume with the settings it was trained with, or leave ckpt_path out to start afresh"
         )
+    check_same_classes(class_names, run_class_names(checkpoint), ckpt_path)
     if "current_model_state" in checkpoint and not averaging:
         raise ConfigError(
             f"ckpt_path={ckpt_path} was written with callbacks=ema (its weights are the average): "
@@ -235,7 +248,7 @@ def check_same_classes(data_names: list[str], run_names: list[str], ckpt_path: s
     ]
     raise ConfigError(
         f"the data's classes are not those ckpt_path={ckpt_path} was trained on "
-        f"({'; '.join(differences)}): evaluate on data with the same class folders"
+        f"({'; '.join(differences)}): use data with the same class folders"
     )
 
 
