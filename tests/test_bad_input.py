@@ -198,6 +198,45 @@ def test_a_val_class_that_train_has_not_is_refused(tmp_path):
         PackedImageDataModule(str(tmp_path), num_workers=0).setup("fit")
 
 
+def test_split_folders_are_found_by_their_names_in_any_case_and_a_class_may_be_called_train(tmp_path):
+    """Train/ Val/ became a 2-class model of the split names; a Roboflow export's valid/ was
+    left out without a word (val held out of train); a test/ beside a flat root's classes
+    became a class; a flat root's class named train (CIFAR-100 has one) was refused."""
+
+    def layout(root: Path) -> dict[str, list[str]]:
+        datamodule = PackedImageDataModule(str(root), val_fraction=0.5, num_workers=0)
+        datamodule.setup("fit")
+        assert datamodule.class_names() == ["cat", "dog"] or datamodule.class_names() == ["bus", "train"]
+        return {name: sorted(dataset.images.paths.tolist()) for name, dataset in datamodule.datasets.items()}
+
+    for split in ("Train", "valid", "test", "extra"):
+        for name in ("cat", "dog"):
+            save(Image.new("RGB", (8, 8)), tmp_path / "export" / split / name / "0.png")
+    unused = f"{tmp_path / 'export'}: left out the images in extra/ (the splits are Train/, valid/, test/)"
+    with pytest.warns(UserWarning, match=re.escape(unused)):
+        splits = layout(tmp_path / "export")
+    assert splits == {
+        "train": ["Train/cat/0.png", "Train/dog/0.png"],
+        "val": ["valid/cat/0.png", "valid/dog/0.png"],
+        "test": ["test/cat/0.png", "test/dog/0.png"],
+    }
+
+    for number in range(2):
+        for name in ("bus", "train"):  # a class of images, not a split of class folders
+            save(Image.new("RGB", (8, 8)), tmp_path / "vehicles" / name / f"{number}.png")
+    assert {path.split("/")[0] for path in layout(tmp_path / "vehicles")["train"]} <= {"bus", "train"}
+
+    for name in ("cat", "dog", "test/cat", "test/dog"):
+        save(Image.new("RGB", (8, 8)), tmp_path / "flat" / name / "0.png")
+    with pytest.raises(
+        DataError, match=r"has test/ but no train/ folder: put the training images in .*/train/<class>/"
+    ):
+        PackedImageDataModule(str(tmp_path / "flat")).class_names()
+    save(Image.new("RGB", (8, 8)), tmp_path / "export" / "val" / "cat" / "0.png")
+    with pytest.raises(DataError, match=r"has 2 val folders \(val, valid\): keep one"):
+        PackedImageDataModule(str(tmp_path / "export")).class_names()
+
+
 def test_a_root_of_only_unreadable_files_is_refused_at_setup(tmp_path):
     for name in ("cat", "dog"):
         (tmp_path / name).mkdir()

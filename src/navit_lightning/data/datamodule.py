@@ -21,9 +21,10 @@ from navit_lightning.data.folder import (
     ImageFolder,
     check_class_folders,
     find_classes,
+    folder_layout,
     hold_out,
     images_of_files,
-    split_folders,
+    paths_layout,
     split_images,
     warn_unreadable,
 )
@@ -174,8 +175,7 @@ class PackedImageDataModule(L.LightningDataModule):
             return sorted(shapes.CLASSES)  # the folder names, sorted as find_classes does
         if self.shards:
             return shard_classes(self.root)
-        train_dir = self.root / "train"
-        train_root = train_dir if train_dir.is_dir() else self.root
+        train_root = self.root / folder_layout(self.root)["train"]
         classes = find_classes(train_root)
         check_class_folders(train_root, classes)
         return classes
@@ -210,16 +210,22 @@ class PackedImageDataModule(L.LightningDataModule):
         if "train" in self.datasets:
             return
         classes = self.class_names()
-        manifest, top_level = self._manifest()
+        manifest, layout = self._manifest()
         splits = {}
-        for folder in split_folders(top_level):
+        for split, folder in layout.items():
             images, unreadable = split_images(manifest, self.root, folder, classes)
             warn_unreadable_on_rank_zero(unreadable)
             if unreadable:
+                rank_zero_warn(f"{split}: left out {len(unreadable)} unreadable files (named above)")
+            splits[split] = images
+        if layout["train"]:
+            tops = {path.split("/", 1)[0] for path in manifest.paths.tolist() if "/" in path}
+            unused = sorted(tops - {*layout.values()})
+            if unused:
                 rank_zero_warn(
-                    f"{folder or 'train'}: left out {len(unreadable)} unreadable files (named above)"
+                    f"{self.root}: left out the images in {', '.join(f'{name}/' for name in unused)} "
+                    f"(the splits are {', '.join(f'{name}/' for name in layout.values())})"
                 )
-            splits[folder or "train"] = images  # a flat root: the train split
         if "val" not in splits:
             splits["train"], splits["val"] = hold_out(splits["train"], self.val_fraction, self.split_seed)
         for name, images in splits.items():
@@ -232,19 +238,19 @@ class PackedImageDataModule(L.LightningDataModule):
         if "test" not in self.datasets:
             rank_zero_info(
                 f"no test/ folder under {self.root}: the test split is the val split, which also "
-                "picks the best checkpoint; a test/ folder gives an independent test/acc"
+                "picks the best checkpoint; train/<class>/ beside test/<class>/ gives an independent test/acc"
             )
             self.datasets["test"] = self.datasets["val"]
 
-    def _manifest(self) -> tuple[Manifest, set[str]]:
-        """root's manifest and the names of its top-level folders."""
+    def _manifest(self) -> tuple[Manifest, dict[str, str]]:
+        """root's manifest and which of its folders holds each split (split_layout)."""
         if self.shards:
             manifest = load_shards(self.root)
-            return manifest, {path.split("/", 1)[0] for path in manifest.paths.tolist() if "/" in path}
+            return manifest, paths_layout(self.root, manifest.paths.tolist())
         # Written by prepare_data; indexed here where this datamodule runs without a Trainer.
         path = manifest_path(self.root, self.index_dir)
         manifest = Manifest.load(path) or index_folder(self.root, self.index_dir)
-        return manifest, {folder.name for folder in self.root.iterdir() if folder.is_dir()}
+        return manifest, folder_layout(self.root)
 
     @property
     def _devices_per_process(self) -> int:

@@ -6,6 +6,7 @@ import io
 import logging
 import multiprocessing
 import random
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -31,8 +32,6 @@ log = logging.getLogger(__name__)
 
 
 def find_classes(root: Path) -> list[str]:
-    if not root.is_dir():
-        raise DataError(f"image folder {root} does not exist: set data.root to a folder of class sub-folders")
     classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
         raise DataError(f"image folder {root} has no class sub-folders: put images in {root}/<class>/")
@@ -108,12 +107,56 @@ def hold_out(images: Images, fraction: float, seed: int) -> tuple[Images, Images
 Unreadable = list[tuple[Path, str]]  # (path, why)
 
 
-def split_folders(top_level: set[str]) -> list[str]:
-    """The split folders among a root's top-level folders: train, val, test where train
-    is one of them, else the root itself ("", its class folders split by hold_out)."""
-    if "train" not in top_level:
-        return [""]
-    return [name for name in ("train", "val", "test") if name in top_level]
+# The folders that hold a split of a root's images, by their names in any case.
+SPLIT_NAMES = {"train": ("train",), "val": ("val", "valid", "validation"), "test": ("test",)}
+
+
+def split_layout(root: Path, folders: Iterable[str], holds_folders: Callable[[str], bool]) -> dict[str, str]:
+    """Which of root's top-level `folders` holds each split: {"train": "Train", "val":
+    "valid"} where a train folder holds class folders (`holds_folders(name)`), else
+    {"train": ""}: root's own class folders, val held out. A folder named after a split
+    that holds images alone is a class (CIFAR-100 has a class "train")."""
+    found: dict[str, list[str]] = {split: [] for split in SPLIT_NAMES}
+    for name in folders:
+        split = next((split for split, names in SPLIT_NAMES.items() if name.lower() in names), None)
+        if split is not None and holds_folders(name):
+            found[split].append(name)
+    for split, names in found.items():
+        if len(names) > 1:
+            raise DataError(
+                f"image folder {root} has {len(names)} {split} folders ({', '.join(sorted(names))}): keep one"
+            )
+    if not found["train"]:
+        stray = found["val"] + found["test"]
+        if stray:  # it would become a class of the flat root's
+            raise DataError(
+                f"image folder {root} has {stray[0]}/ but no train/ folder: put the training images "
+                f"in {root}/train/<class>/"
+            )
+        return {"train": ""}
+    return {split: names[0] for split, names in found.items() if names}
+
+
+def folder_layout(root: Path) -> dict[str, str]:
+    """split_layout of a folder on disk."""
+    if not root.is_dir():
+        raise DataError(f"image folder {root} does not exist: set data.root to a folder of class sub-folders")
+    folders = [path.name for path in root.iterdir() if path.is_dir() and not path.name.startswith(".")]
+
+    def holds_folders(name: str) -> bool:
+        return any(path.is_dir() and not path.name.startswith(".") for path in (root / name).iterdir())
+
+    return split_layout(root, folders, holds_folders)
+
+
+def paths_layout(root: Path, paths: list[str]) -> dict[str, str]:
+    """split_layout of the folder that held `paths` (a shard folder's manifest paths)."""
+    nested: dict[str, bool] = {}  # top-level folder -> whether a path goes on into a folder
+    for path in paths:
+        top, _, rest = path.partition("/")
+        if rest:
+            nested[top] = nested.get(top, False) or "/" in rest
+    return split_layout(root, nested, nested.__getitem__)
 
 
 def split_images(

@@ -24,7 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-from navit_lightning.data.folder import find_classes, split_folders, split_images, warn_unreadable
+from navit_lightning.data.folder import (
+    check_class_folders,
+    find_classes,
+    folder_layout,
+    split_images,
+    warn_unreadable,
+)
 from navit_lightning.data.index import MANIFEST_NAME, Manifest, StringTable, index_folder
 from navit_lightning.errors import DataError
 
@@ -45,16 +51,17 @@ def write_shards(
     """Shard every readable image under `folder` into `out` (see the module's doc); the
     folder's manifest in `index_dir` where the folder is read-only."""
     manifest = index_folder(folder, index_dir, workers=workers)
-    folders = split_folders({path.name for path in folder.iterdir() if path.is_dir()})
-    classes = find_classes(folder / "train" if folders != [""] else folder)
+    layout = folder_layout(folder)
+    classes = find_classes(folder / layout["train"])
+    check_class_folders(folder / layout["train"], classes)
     out.mkdir(parents=True, exist_ok=True)
     rows, shard_names, spans = [], [], []
-    for split in folders:
-        images, unreadable = split_images(manifest, folder, split, classes)
+    for split, split_folder in layout.items():
+        images, unreadable = split_images(manifest, folder, split_folder, classes)
         warn_unreadable(unreadable)
         shard_list = []
         for start in range(0, len(images.labels), samples_per_shard):
-            name = f"{split or 'train'}-{start // samples_per_shard:06d}.tar"
+            name = f"{split}-{start // samples_per_shard:06d}.tar"
             chunk = range(start, min(start + samples_per_shard, len(images.labels)))
             with tarfile.open(out / name, "w", format=tarfile.USTAR_FORMAT) as tar:
                 for number in chunk:
@@ -68,10 +75,8 @@ def write_shards(
             rows += [images.paths[number] for number in chunk]
             shard_names.append(name)
             shard_list.append({"url": name, "nsamples": len(chunk)})
-        wids = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": split or "train"}
-        (out / f"{split or 'train'}.wids.json").write_text(
-            json.dumps({**wids, "shardlist": shard_list}, indent=1)
-        )
+        wids = {"__kind__": "wids-shard-index-v1", "wids_version": 1, "name": split}
+        (out / f"{split}.wids.json").write_text(json.dumps({**wids, "shardlist": shard_list}, indent=1))
     row_of = {path: row for row, path in enumerate(manifest.paths.tolist())}
     taken = np.array([row_of[path] for path in rows], dtype=np.int64)
     sharded = Manifest(
