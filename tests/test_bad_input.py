@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
+import torch
+from PIL import Image, ImageOps
 
 from navit_lightning.batch import PackedShape
 from navit_lightning.data.datamodule import PackedImageDataModule
@@ -102,6 +103,26 @@ def test_exif_orientation_is_applied_to_size_and_pixels():
         assert upright_size(image) == (40, 20)
         sample = image_to_sample(image, 0, patch_size=4, max_patches=200)
     assert sample.grid == (10, 5)
+
+
+@pytest.mark.parametrize("orientation", [3, 6, 8])
+@pytest.mark.parametrize("kind", ["JPEG", "PNG", "WEBP", "TIFF"])
+def test_every_format_is_turned_upright_once_as_pillow_turns_it(kind, orientation):
+    """Pillow turns TIFFs upright itself: they were turned twice (sides swapped, upside down)."""
+    stored = Image.new("RGB", (40, 20), (0, 0, 255))
+    stored.paste((255, 0, 0), (0, 0, 20, 10))  # the stored top-left quarter red
+    exif = Image.Exif()
+    exif[EXIF_ORIENTATION] = orientation
+    buffer = io.BytesIO()
+    stored.save(buffer, kind, exif=exif)
+    with Image.open(buffer) as image:
+        upright = ImageOps.exif_transpose(image)
+    with Image.open(buffer) as image:
+        assert upright_size(image) == (upright.height, upright.width)
+        sample = image_to_sample(image, 0, patch_size=4, max_patches=200)
+    assert sample.grid == (upright.height // 4, upright.width // 4)
+    corner = sample.patches[0].reshape(16, 3).float().mean(0)  # the top-left patch's colour
+    assert torch.allclose(corner, torch.tensor(upright.getpixel((1, 1)), dtype=torch.float32), atol=40)
 
 
 def test_huge_and_tiny_images_fit_the_patch_budget():

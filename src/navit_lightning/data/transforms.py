@@ -27,9 +27,11 @@ SIDES_SWAPPED = {5, 6, 7, 8}
 
 
 def exif_orientation(image: Image.Image) -> int:
+    """The EXIF orientation still to apply to `image` (1: none)."""
     # A PNG's getexif() decodes all its pixels to look for EXIF after them (measured: 10x the
     # header read); EXIF before the pixels, where writers put it, is read with the header.
-    if image.format == "PNG" and "exif" not in image.info:
+    # Pillow (from 11) turns TIFFs upright itself: their size is upright, load() turns them.
+    if (image.format == "PNG" and "exif" not in image.info) or image.format == "TIFF":
         return 1
     return image.getexif().get(ORIENTATION_TAG, 1)
 
