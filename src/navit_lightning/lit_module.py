@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import lightning as L
@@ -30,7 +30,24 @@ def image_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return loss / max(len(labels), 1)
 
 
-class ImageMean(Metric):
+class StatesOf32Bits(Metric):
+    """trainer.precision=bf16-true or 16-true calls .to(dtype), which turns a metric's
+    states too: a sum of 16-bit floats stops counting images at 256, and a best accuracy
+    keeps 3 digits. Here the states move, and keep 32 bits."""
+
+    def _apply(self, fn: Callable, exclude_state: Sequence[str] = "") -> nn.Module:
+        def at_least_32_bits(tensor: torch.Tensor) -> torch.Tensor:
+            tensor = fn(tensor)
+            return tensor.float() if tensor.is_floating_point() and tensor.element_size() < 4 else tensor
+
+        return super()._apply(at_least_32_bits, exclude_state)
+
+
+class HighestValue(StatesOf32Bits, MaxMetric):
+    """MaxMetric, in 32 bits under any precision."""
+
+
+class ImageMean(StatesOf32Bits):
     """The mean of a per-image value (a loss, a correct prediction) over an epoch's images on
     every rank: each rank sums the values of its images and counts them, and the sync before
     compute() adds both across ranks. Logged as a plain tensor, the epoch's loss would be each
@@ -116,7 +133,7 @@ class NaViTClassifier(L.LightningModule):
         for stage in ("train", "val", "test"):
             self._metric_names(stage, 0)
         # Fed the synced val accuracy, the same on every rank: nothing left to sync.
-        self.val_acc_best = MaxMetric(sync_on_compute=False)
+        self.val_acc_best = HighestValue(sync_on_compute=False)
         # Of the validation images, over every rank: the last epoch's, for pictures.LogPictures.
         self.val_confusion = MulticlassConfusionMatrix(num_classes, validate_args=False)
         self.val_confusion_matrix: torch.Tensor | None = None
