@@ -46,6 +46,14 @@ def config(*overrides: str):
         (0, ["patch_budgets=[16,0]"], "must be a list of positive patch counts, e.g. patch_budgets="),
         (0, ["patch_budgets=36"], "must be a list of positive patch counts"),
         (0, ["model.lr_scaling=square"], "model.lr_scaling='square' is unknown: use one of"),
+        (
+            0,
+            ["model.lr_scaling=sqrt", "model.lr_reference_tokens=0"],
+            "lr_reference_tokens=0 must be 1 or more",
+        ),
+        (0, ["model.net.channels=1"], "model.net.channels=1: the data module gives RGB patches"),
+        (0, ["trainer.precision=16-true"], "16-true trains float16 weights without loss scaling"),
+        (0, ["~scheduler"], "~scheduler removed the config model.scheduler follows"),
         (0, ["data=imagefolder"], "data.root must be set: add data.root=/path/to/images to the command"),
         (0, ["data=shards"], "data.root must be set: add data.root=/path/to/images to the command"),
         (

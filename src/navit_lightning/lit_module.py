@@ -118,7 +118,7 @@ class NaViTClassifier(L.LightningModule):
         lr_reference_tokens: int = 2016,
     ) -> None:
         super().__init__()
-        check_lr_scaling(lr_scaling)
+        check_lr_scaling(lr_scaling, lr_reference_tokens)
         self.net = net
         self.head = build_head(head, net.num_features, num_classes)
         self.num_classes = num_classes

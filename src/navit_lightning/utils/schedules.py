@@ -16,11 +16,16 @@ from navit_lightning.errors import ConfigError
 LR_SCALING_EXPONENTS = {"sqrt": 0.5, "linear": 1.0}
 
 
-def check_lr_scaling(rule: str | None) -> None:
+def check_lr_scaling(rule: str | None, reference_tokens: int) -> None:
     if rule is not None and rule not in LR_SCALING_EXPONENTS:
         raise ConfigError(
             f"model.lr_scaling={rule!r} is unknown: use one of {sorted(LR_SCALING_EXPONENTS)}, "
             "or null for optimizer.lr as given"
+        )
+    if rule is not None and not reference_tokens >= 1:
+        raise ConfigError(
+            f"model.lr_reference_tokens={reference_tokens} must be 1 or more: the tokens a step "
+            "that optimizer.lr was tuned at"
         )
 
 

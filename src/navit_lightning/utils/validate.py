@@ -54,6 +54,12 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
     """training=False (eval.py): the model, and so its attention backend, comes from the
     checkpoint later."""
     check_required(cfg)
+    for group, fix in (
+        ("optimizer", "choose one: optimizer=adamw"),
+        ("scheduler", "for a constant rate use model.scheduler=null"),
+    ):
+        if training and group not in cfg and OmegaConf.is_interpolation(cfg.model, group):
+            raise ConfigError(f"~{group} removed the config model.{group} follows (${{{group}}}): {fix}")
     trainer = cfg.trainer
     check_strategy_name(trainer.strategy)
     gpus = torch.cuda.device_count()
@@ -99,7 +105,12 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
         check_optimization(cfg.model)
         check_fused_optimizer(cfg)
         check_attention(cfg.model.net.attention, on_gpu, str(trainer.precision))
-        check_lr_scaling(cfg.model.get("lr_scaling"))
+        check_lr_scaling(cfg.model.get("lr_scaling"), cfg.model.get("lr_reference_tokens", 1))
+        if cfg.model.net.get("channels", 3) != 3:
+            raise ConfigError(
+                f"model.net.channels={cfg.model.net.channels}: the data module gives RGB patches "
+                "(grey images too are converted to RGB); keep 3"
+            )
         if not cfg.get("logger") and (cfg.get("callbacks") or {}).get("learning_rate_monitor"):
             # Lightning's LearningRateMonitor fails at the start of fit without a logger
             raise ConfigError(
@@ -144,6 +155,11 @@ def check_training_numbers(trainer: DictConfig) -> None:
     accumulate = trainer.get("accumulate_grad_batches", 1)
     if not isinstance(accumulate, int) or accumulate < 1:
         raise ConfigError(f"trainer.accumulate_grad_batches={accumulate} must be 1 (no accumulation) or more")
+    if str(trainer.precision) == "16-true":
+        raise ConfigError(
+            "trainer.precision=16-true trains float16 weights without loss scaling (AdamW's eps "
+            "underflows: NaN after the first step): use 16-mixed on a GPU, or bf16-mixed"
+        )
     clip = trainer.get("gradient_clip_val")
     if clip is not None and clip < 0:
         raise ConfigError(
