@@ -83,6 +83,11 @@ def test_the_same_command_continues_a_study_cut_short(run_entry_point):
     assert [t["state"] for t in found["trials"]] == ["COMPLETE", "FAIL", "COMPLETE"]
     assert sorted(p.name for p in folder.iterdir() if p.name.isdigit()) == ["2"]  # only the new trial ran
 
+    # Continued again: a sampler seeded as the last process's drew its trials' parameters again.
+    run_entry_point("train.py", "-m", "hparams_search=optuna", "hydra.sweeper.n_trials=3", *TINY_RUN)
+    trials = results(run_entry_point)["trials"]
+    assert [t["number"] for t in trials] == [0, 1, 2, 3] and trials[3]["params"] != trials[2]["params"]
+
 
 def test_a_study_whose_trials_log_no_optimized_metric_ends_at_the_first(run_entry_point):
     """Every trial would end so, and a failed trial is replaced only when a crash cut it
@@ -117,3 +122,12 @@ def test_failed_trials_count_and_a_study_without_a_result_ends_with_one_line(tmp
         sweeper._write_results(study, tmp_path)
     assert ended.value.code == 1
     assert "error: none of the 2 trials of study 'shapes' completed" in caplog.text
+
+
+def test_a_sweep_of_a_setting_beside_the_search_is_refused_with_one_line(run_entry_point):
+    result = run_entry_point("train.py", "-m", "hparams_search=optuna", "seed=1,2", *TINY_RUN, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in output
+    assert (
+        "error: hparams_search=optuna searches hydra.sweeper.params: give the other settings fixed" in output
+    )

@@ -106,7 +106,12 @@ class OptunaSweeper(Sweeper):
         parser = OverridesParser.create()
         fixed = [o for o in parser.parse_overrides(arguments) if not o.is_sweep_override()]
         if len(fixed) != len(arguments):
-            raise ValueError("hparams_search=optuna searches hydra.sweeper.params: give fixed values only")
+            log.error(
+                "error: hparams_search=optuna searches hydra.sweeper.params: give the other settings "
+                "fixed values, and the search space as "
+                "'hydra.sweeper.params={optimizer.lr:\"interval(1e-4,1e-3)\"}'"
+            )
+            raise SystemExit(2)
         space = {
             o.get_key_element(): distribution(o)
             for o in parser.parse_overrides([f"{key}={value}" for key, value in self.params.items()])
@@ -114,12 +119,11 @@ class OptunaSweeper(Sweeper):
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         study = optuna.create_study(
-            study_name=self.study_name,
-            storage=self.storage,
-            sampler=optuna.samplers.TPESampler(seed=self.seed),
-            direction=self.direction,
-            load_if_exists=True,
+            study_name=self.study_name, storage=self.storage, direction=self.direction, load_if_exists=True
         )
+        # A study continued by a new process: a sampler seeded as the first one was would draw
+        # the parameters of its first trials again.
+        study.sampler = optuna.samplers.TPESampler(seed=self.seed + len(study.trials))
         self._fail_interrupted(study)
         log.info(
             f"Optuna study {self.study_name!r} in {self.storage}: {trials_run(study)} of {self.n_trials} "
