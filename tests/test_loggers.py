@@ -79,7 +79,8 @@ def test_mlflow_logger_keeps_runs_in_one_local_database(run_entry_point):
     assert sorted(path.name for path in root.iterdir()) == ["data", "logs"]
 
 
-def test_wandb_logger_writes_an_offline_run_into_the_run_folder(run_entry_point, tmp_path_factory):
+def test_wandb_logger_writes_an_offline_run_into_each_jobs_folder(run_entry_point, tmp_path_factory):
+    """Lightning leaves a W&B run open: a sweep's second job logged into the first's."""
     pytest.importorskip("wandb")
     home = tmp_path_factory.mktemp("wandb_home")
     env = {
@@ -90,13 +91,15 @@ def test_wandb_logger_writes_an_offline_run_into_the_run_folder(run_entry_point,
         "WANDB_CACHE_DIR": str(home / "cache"),
         "WANDB_DATA_DIR": str(home / "data"),
     }
-    run_entry_point("train.py", "logger=wandb", *TINY_RUN, env=env)
+    run_entry_point("train.py", "-m", "logger=wandb", "seed=1,2", *TINY_RUN, "patch_budgets=null", env=env)
     root = run_entry_point.root
-    (offline,) = (run_folder(root) / "wandb").glob("offline-run-*")
-    (history,) = offline.glob("run-*.wandb")
-    # wandb's binary record log names each metric it holds
-    records = history.read_bytes()
-    assert b"train/loss_step" in records and b"val/acc" in records
+    (sweep,) = (root / "logs" / "train" / "multiruns").iterdir()
+    for job in ("0", "1"):
+        (offline,) = (sweep / job / "wandb").glob("offline-run-*")
+        (history,) = offline.glob("run-*.wandb")
+        # wandb's binary record log names each metric it holds
+        records = history.read_bytes()
+        assert b"train/loss_step" in records and b"val/acc" in records
     assert sorted(path.name for path in root.iterdir()) == ["data", "logs"]
 
 

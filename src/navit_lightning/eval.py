@@ -21,6 +21,7 @@ from navit_lightning.utils.checkpoints import (
     load_training_run,
 )
 from navit_lightning.utils.entry_point import launch, run_task
+from navit_lightning.utils.loggers import finish_loggers
 from navit_lightning.utils.shutdown import explain_collective_failure
 from navit_lightning.utils.validate import check_launch
 
@@ -44,11 +45,13 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
                 trainer, model, datamodule, list(cfg.patch_budgets), cfg.split, cfg.ckpt_path
             )
         report(results, trainer, Path(cfg.paths.output_dir), f"{cfg.split}: {Path(cfg.ckpt_path).name}")
+        finish_loggers(trainer, {})
         return {f"{cfg.split}/acc@{result.patch_budget}": result.accuracy for result in results}
     with explain_collective_failure(trainer):
         getattr(trainer, SPLIT_RUNS[cfg.split])(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
     rank_zero_info(f"{cfg.split} accuracy: {metrics[f'{cfg.split}/acc']:.4f} ({cfg.ckpt_path})")
+    finish_loggers(trainer, {})
     return metrics
 
 

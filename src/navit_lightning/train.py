@@ -20,6 +20,7 @@ from navit_lightning.utils.callbacks import StoreRunConfig
 from navit_lightning.utils.checkpoints import check_resumable, load_initial_weights
 from navit_lightning.utils.entry_point import launch, log_config, run_task
 from navit_lightning.utils.instantiate import instantiate_group
+from navit_lightning.utils.loggers import finish_loggers
 from navit_lightning.utils.shutdown import StopTogetherOnSigterm, explain_collective_failure
 from navit_lightning.utils.validate import check_launch
 
@@ -112,9 +113,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
             title = "val" if tested is None else "val, best checkpoint" if cfg.train else f"val, {tested}"
             report(results, trainer, Path(cfg.paths.output_dir), title)
     final = {name: metrics[source] for name, (source, _) in HP_METRICS.items() if source in metrics}
-    for logger in trainer.loggers:
-        logger.log_metrics(final, step=trainer.global_step)
-        logger.finalize("success")
+    finish_loggers(trainer, final)
     return metrics
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import csv
 
-from lightning.pytorch.loggers import CSVLogger
+import lightning as L
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 
@@ -32,3 +33,15 @@ class ResumableCSVLogger(CSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = AppendingExperimentWriter(log_dir=self.log_dir)
         return self._experiment
+
+
+def finish_loggers(trainer: L.Trainer, final: dict[str, float]) -> None:
+    """Log `final` at the last step, then close every logger: a CSV logger writes its file
+    here, and a W&B run is finished, which Lightning leaves open (the next job of a sweep, in
+    the same process, logged into it and overwrote its config)."""
+    for logger in trainer.loggers:
+        if final:
+            logger.log_metrics(final, step=trainer.global_step)
+        logger.finalize("success")
+        if isinstance(logger, WandbLogger):
+            logger.experiment.finish()  # a no-op stand-in on ranks other than 0
