@@ -5,7 +5,9 @@ from datetime import datetime, timedelta
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 
+from navit_lightning import CONFIG_DIR
 from navit_lightning.utils import launch
 from tests.conftest import free_port
 
@@ -109,3 +111,29 @@ def test_a_node_but_the_first_of_a_launch_by_hand_is_quiet(monkeypatch):
     monkeypatch.setenv("NODE_RANK", "1")
     monkeypatch.setattr(launch.sys, "argv", ["train.py"])
     assert launch.quiet_rank_overrides() == list(launch.QUIET_RANK_OVERRIDES)
+
+
+def test_runs_started_in_the_same_second_get_folders_of_their_own(monkeypatch, tmp_path):
+    """They shared one, and overwrote each other's checkpoints; a folder the command names
+    (a rerun in its folder, ddp's ranks 1..) is kept."""
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID", "NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)
+
+    class StoppedClock:
+        @staticmethod
+        def now() -> datetime:
+            return datetime(2026, 1, 1)
+
+    monkeypatch.setattr(launch, "datetime", StoppedClock)
+
+    def run_folder(*overrides: str) -> str:
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            cfg = compose("train", [f"paths.log_dir={tmp_path}", *overrides], return_hydra_config=True)
+        launch.UniqueRunFolder().on_run_start(cfg)
+        return cfg.hydra.run.dir
+
+    runs = tmp_path / "train" / "runs"
+    assert run_folder() == str(runs / "2026-01-01_00-00-00")
+    assert run_folder() == str(runs / "2026-01-01_00-00-00_2")
+    assert run_folder() == str(runs / "2026-01-01_00-00-00_3")
+    assert run_folder(f"hydra.run.dir={runs / '2026-01-01_00-00-00'}") == str(runs / "2026-01-01_00-00-00")

@@ -18,13 +18,10 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
 from navit_lightning.errors import ConfigError, DataError
-from navit_lightning.utils.launch import quiet_rank_overrides, run_stamp
+from navit_lightning.utils.launch import quiet_rank_overrides
 from navit_lightning.utils.shutdown import end_promptly_on_signals
 
 T = TypeVar("T")
-
-# configs/hydra/default.yaml names run folders with it
-OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)
 
 
 def launch(hydra_main: Callable[[], Any]) -> None:

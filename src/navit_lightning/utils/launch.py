@@ -13,11 +13,12 @@ import os
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, read_write
 
 # Appended to the command line of every process but the first: no second .hydra folder, no
 # second writer of the job's log file, <job name>.log (the handler stays configured, but
@@ -71,6 +72,10 @@ def run_stamp(pattern: str) -> str:
     return stamp
 
 
+# configs/hydra/default.yaml names run folders with it
+OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)
+
+
 def _shared_through_torchrun_store(stamp: str) -> str:
     store = torch.distributed.TCPStore(
         os.environ["MASTER_ADDR"],
@@ -99,6 +104,30 @@ class IsolateJobs(Callback):
             torch.distributed.destroy_process_group()
         os.environ.clear()
         os.environ.update(self._environ)
+
+
+class UniqueRunFolder(Callback):
+    """Hydra callback: a run started in the same second as another (a script's loop, a job
+    array) gets a folder of its own, <stamp>_2, ..., where it shared the other's and the two
+    overwrote each other's checkpoints. Only where the clock names the folder: not where the
+    command gives hydra.run.dir (a rerun in its folder, ddp's ranks 1..), nor in a process
+    of a torchrun or SLURM launch (they share their folder's name, see run_stamp)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        given = any(o.startswith("hydra.run.dir=") for o in config.hydra.overrides.hydra)
+        if given or external_launch_rank() is not None:
+            return
+        stamped = Path(config.hydra.run.dir)
+        folder, number = stamped, 1
+        while True:
+            try:
+                folder.mkdir(parents=True)
+                break
+            except FileExistsError:
+                number += 1
+                folder = stamped.with_name(f"{stamped.name}_{number}")
+        with read_write(config.hydra.run):
+            config.hydra.run.dir = str(folder)
 
 
 class RankZeroLogFile(Callback):
