@@ -82,6 +82,7 @@ def test_train_then_eval_reports_accuracy(run_entry_point):
         "data.num_workers=0",
     )
     assert re.search(r"val accuracy: [0-9.]+", result.stdout + result.stderr)
+    assert "val/acc_best" not in result.stdout  # the training run's best, mixed with this score
 
     # A folder with other classes would be scored against the wrong labels: refused.
     renamed = run_entry_point.root / "renamed"

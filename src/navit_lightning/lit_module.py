@@ -8,6 +8,7 @@ from typing import NamedTuple
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torchmetrics import MaxMetric, Metric
@@ -266,7 +267,9 @@ class NaViTClassifier(L.LightningModule):
         # compute() syncs the accuracy across ranks, here on every rank, in this hook, which
         # runs before any rank-zero-only callback reads the epoch's metrics (the progress bar
         # reads them in on_validation_end); see the note in utils/callbacks.py.
-        if not self.trainer.sanity_checking:
+        # Fit's validations only: eval.py's (split=val) would log its score mixed with the
+        # training run's best, which the checkpoint restores.
+        if self.trainer.state.fn == TrainerFn.FITTING and not self.trainer.sanity_checking:
             self.val_acc_best(self.metrics["val_acc"].compute())
             # sync_dist of equal values: no news, but Lightning warns about epoch logs without it
             self.log("val/acc_best", self.val_acc_best.compute(), prog_bar=True, sync_dist=True)
