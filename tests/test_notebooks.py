@@ -18,6 +18,9 @@ def test_notebook_runs(path):
     NotebookClient(
         notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
     ).execute()
+    # a figure shows as a picture, not as "<Figure size 1000x530 with 4 Axes>"
+    outputs = [output for cell in notebook.cells for output in cell.get("outputs", [])]
+    assert any("image/png" in output.get("data", {}) for output in outputs)
 
 
 def test_there_is_a_notebook():
