@@ -2,9 +2,11 @@
 checkpoint, agreement with eval.py, and one-line refusals."""
 
 import csv
+import io
 import re
 
 import pytest
+from PIL import Image
 
 from navit_lightning.data.folder import image_files_under
 from navit_lightning.data.shapes import CLASSES
@@ -69,7 +71,12 @@ def make_input(root, kind):
     if kind == "missing":
         return root / "missing"
     (root / kind).mkdir()
-    (root / kind / ("notes.txt" if kind == "no-images" else "broken.png")).write_text("not an image")
+    if kind == "none-decodable":  # its header reads, its pixels do not
+        image = io.BytesIO()
+        Image.new("RGB", (64, 64)).save(image, "PNG")
+        (root / kind / "truncated.png").write_bytes(image.getvalue()[:60])
+    else:
+        (root / kind / ("notes.txt" if kind == "no-images" else "broken.png")).write_text("not an image")
     return root / kind
 
 
@@ -79,6 +86,7 @@ def make_input(root, kind):
         ("missing", r"input=\S+missing does not exist: pass an image file or a folder"),
         ("no-images", r"input=\S+no-images holds no image files"),
         ("none-readable", r"none of the 1 input file\(s\) is a readable image"),
+        ("none-decodable", r"none of the 1 input file\(s\) could be decoded"),  # exited 0, an empty CSV
     ],
 )
 def test_an_input_without_images_is_refused_with_one_line(run_entry_point, trained, tmp_path, kind, message):
@@ -88,6 +96,7 @@ def test_an_input_without_images_is_refused_with_one_line(run_entry_point, train
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
     assert re.search(rf"error: {message}", output) and "Traceback" not in output, output[-3000:]
+    assert not list((run_entry_point.root / "logs").rglob("predictions*"))  # no part left, no empty CSV
 
 
 @pytest.mark.parametrize(

@@ -99,3 +99,11 @@ def test_curves_of_several_runs_in_one_figure(tmp_path):
     assert label_and_path(str(swept)) == ("optimizer.lr=1e-3", str(swept))
     with pytest.raises(SystemExit):
         main([f"lr={tmp_path / 'missing.csv'}", "--out", str(tmp_path / "none.png")])
+    same_label = [f"x={tmp_path / 'variable.csv'}", f"x={tmp_path / 'fixed.csv'}"]
+    with pytest.raises(SystemExit):  # job 0 of two sweeps: one curve replaced the other
+        main([*same_label, "--out", str(tmp_path / "x.png")])
+    (tmp_path / "other.csv").write_text("epoch,loss\n1,0.5\n")
+    with pytest.raises(SystemExit):  # a KeyError traceback
+        main([str(tmp_path / "other.csv"), "--out", str(tmp_path / "x.png")])
+    main([str(swept), "--out", str(tmp_path / "new" / "folder" / "one.png")])  # made, not a traceback
+    assert (tmp_path / "new" / "folder" / "one.png").is_file()

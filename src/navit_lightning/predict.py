@@ -88,6 +88,13 @@ class PredictionWriter(BasePredictionWriter):
             ranked = [(self.class_names[c], f"{v:.6f}") for c, v in zip(classes, values, strict=True)]
             writer.writerow([int(number), self.paths[number], *(item for pair in ranked for item in pair)])
 
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        if self._part is not None and not self._part.closed:  # a failed run leaves no part behind
+            self._part.close()
+            self._part_path(trainer.global_rank).unlink(missing_ok=True)
+
     def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._part.close()
         trainer.strategy.barrier()  # every rank's part is complete
@@ -98,6 +105,8 @@ class PredictionWriter(BasePredictionWriter):
             with open(self._part_path(rank), newline="") as part:
                 rows.extend(csv.reader(part))
             self._part_path(rank).unlink()
+        if not rows:
+            raise DataError(f"none of the {len(self.paths)} input file(s) could be decoded (named above)")
         rows.sort(key=lambda row: int(row[0]))
         with open(self.path, "w", newline="") as file:
             writer = csv.writer(file)

@@ -189,7 +189,13 @@ def main(argv: list[str] | None = None) -> None:
         label, path = label_and_path(curve)
         if not Path(path).is_file():
             parser.error(f"{path} is not a file: give LABEL=<run>/resolution_accuracy.csv or the file alone")
-        curves[label] = read_results(Path(path))
+        if label in curves:  # job 0 of two sweeps: one curve would replace the other
+            parser.error(f"two curves are labelled {label!r}: name each, LABEL=CSV")
+        try:
+            curves[label] = read_results(Path(path))
+        except (KeyError, ValueError) as error:
+            parser.error(f"{path} is not a resolution_accuracy.csv of train.py or eval.py ({error!r} in it)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     resolution_figure(curves).savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
 
