@@ -258,11 +258,12 @@ def test_split_folders_are_found_by_their_names_in_any_case_and_a_class_may_be_c
         PackedImageDataModule(str(tmp_path / "export")).class_names()
 
 
-def test_a_root_of_only_unreadable_files_is_refused_at_setup(tmp_path):
-    for name in ("cat", "dog"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "broken.png").write_bytes(b"\x89PNG but not really")
-    with pytest.raises(DataError, match="no readable images"):
+def test_a_class_of_only_unreadable_files_is_refused_at_setup(tmp_path):
+    """It trained with no image of the class, named only in per-file warnings."""
+    save(Image.new("RGB", (8, 8)), tmp_path / "cat" / "0.png")
+    (tmp_path / "dog").mkdir()
+    (tmp_path / "dog" / "broken.png").write_bytes(b"\x89PNG but not really")
+    with pytest.raises(DataError, match=r"class folder .*dog holds no readable image \(named above\)"):
         PackedImageDataModule(str(tmp_path), val_fraction=0.5).setup("fit")
 
 

@@ -49,7 +49,9 @@ def make_folder(root, count=6):
     return root
 
 
-def test_a_second_index_opens_no_image_and_a_changed_folder_reads_only_what_changed(tmp_path, caplog):
+def test_a_second_index_opens_no_readable_image_and_a_changed_folder_reads_only_what_changed(
+    tmp_path, caplog, monkeypatch
+):
     root = make_folder(tmp_path / "images")
     with image_files_opened() as opened:
         first = index_folder(root)
@@ -58,17 +60,21 @@ def test_a_second_index_opens_no_image_and_a_changed_folder_reads_only_what_chan
     assert first.reasons[first.paths.tolist().index("dogs/broken.jpg")]
     assert dict(zip(first.paths.tolist(), first.sizes.tolist(), strict=True))["cats/5.png"] == [20, 25]
 
+    saved = manifest_path(root).stat().st_mtime_ns
     with image_files_opened() as opened:
         again = index_folder(root)
-    assert opened == [] and again.paths == first.paths and np.array_equal(again.sizes, first.sizes)
+    # the unreadable file is tried again (a chmod, a mended mount or a newer Pillow may let it
+    # in; it stayed left out); nothing changed, nothing saved
+    assert opened == ["broken.jpg"] and again.paths == first.paths
+    assert np.array_equal(again.sizes, first.sizes) and manifest_path(root).stat().st_mtime_ns == saved
 
     Image.new("RGB", (99, 7)).save(root / "cats" / "new.png")  # added
     (root / "dogs" / "0.png").unlink()  # removed
     Image.new("RGB", (8, 77)).save(root / "cats" / "1.png")  # replaced under the same name
     with image_files_opened() as opened, caplog.at_level(logging.INFO):
         changed = index_folder(root)
-    assert sorted(opened) == ["1.png", "new.png"]
-    assert "2 read (new or changed), 1 gone," in caplog.text  # the replaced file is not gone
+    assert sorted(opened) == ["1.png", "broken.jpg", "new.png"]
+    assert "3 read (new, changed or unreadable), 1 gone," in caplog.text  # the replaced one is not gone
     sizes = dict(zip(changed.paths.tolist(), changed.sizes.tolist(), strict=True))
     assert sizes["cats/new.png"] == [7, 99] and sizes["cats/1.png"] == [77, 8] and "dogs/0.png" not in sizes
     assert Manifest.load(manifest_path(root)).paths == changed.paths  # saved
@@ -78,6 +84,10 @@ def test_a_second_index_opens_no_image_and_a_changed_folder_reads_only_what_chan
     with image_files_opened() as opened:
         again = index_folder(root)
     assert len(opened) == len(changed.paths) and again.paths == changed.paths
+
+    monkeypatch.setattr(index, "read_size", lambda path: (5, 6))  # as a decoder that reads it now
+    mended = index_folder(root)
+    assert mended.sizes[mended.paths.tolist().index("dogs/broken.jpg")].tolist() == [5, 6]
 
 
 def test_many_files_are_read_by_a_pool_to_the_same_sizes(tmp_path, monkeypatch):
@@ -137,3 +147,27 @@ def test_a_string_table_round_trips_any_path():
     table = StringTable.of(names)
     assert table.tolist() == names and table[2] == names[2]
     assert table.take(np.array([3, 0])).tolist() == [names[3], names[0]]
+
+
+def test_a_folder_that_cannot_be_listed_is_skipped_and_every_suffix_pillow_reads_is_taken(
+    tmp_path, monkeypatch, caplog
+):
+    """A sub-folder its owner keeps to themselves crashed the index with a traceback; the
+    .jfif files a browser on Windows saves were left out without a word."""
+    root = make_folder(tmp_path / "images")
+    (root / "cats" / "private").mkdir()
+    Image.new("RGB", (8, 8)).save(root / "cats" / "private" / "0.png")
+    Image.new("RGB", (8, 8)).save(root / "cats" / "saved.jfif", "JPEG")
+    listable = os.scandir
+
+    def scandir(path):
+        if os.path.basename(path) == "private":
+            raise PermissionError(13, "Permission denied", str(path))
+        return listable(path)
+
+    monkeypatch.setattr(index.os, "scandir", scandir)
+    with caplog.at_level(logging.WARNING):
+        manifest = index_folder(root)
+    assert f"skipping {root / 'cats' / 'private'}: its files cannot be listed" in caplog.text
+    assert "cats/saved.jfif" in manifest.paths.tolist()
+    assert not [path for path in manifest.paths.tolist() if "private" in path]

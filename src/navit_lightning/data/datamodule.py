@@ -226,6 +226,13 @@ class PackedImageDataModule(L.LightningDataModule):
                     f"{self.root}: left out the images in {', '.join(f'{name}/' for name in unused)} "
                     f"(the splits are {', '.join(f'{name}/' for name in layout.values())})"
                 )
+        learnt = np.unique(splits["train"].labels)
+        if len(learnt) < len(classes):  # every file of the class unreadable: it cannot be learnt
+            empty = next(name for label, name in enumerate(classes) if label not in learnt)
+            raise DataError(
+                f"class folder {self.root / layout['train'] / empty} holds no readable image (named "
+                "above): add readable images or remove the folder"
+            )
         if "val" not in splits:
             splits["train"], splits["val"] = hold_out(splits["train"], self.val_fraction, self.split_seed)
         for name, images in splits.items():

@@ -32,7 +32,9 @@ from navit_lightning.errors import DataError
 
 log = logging.getLogger(__name__)
 
-IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
+# Pillow reads them all (.jfif: what browsers on Windows save a JPEG as)
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".jfif", ".jpe", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".avif"}
+IMAGE_SUFFIXES |= {".ppm", ".pgm", ".pbm"}
 # What Pillow raises for a file that is not an image, or not a whole one.
 UNREADABLE = (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError)
 MANIFEST_NAME = ".navit_manifest.npz"
@@ -91,6 +93,14 @@ class Manifest:
     # A shard folder's (data/shards.py): where each image's bytes are, (shard, offset, bytes)
     spans: np.ndarray | None = None  # (N, 3) int64
     shard_names: StringTable | None = None
+
+    def same_as(self, other: Manifest) -> bool:
+        return (
+            self.paths == other.paths
+            and np.array_equal(self.sizes, other.sizes)
+            and np.array_equal(self.stamps, other.stamps)
+            and self.reasons == other.reasons
+        )
 
     @property
     def readable(self) -> np.ndarray:  # (N,) bool
@@ -155,7 +165,12 @@ def image_entries(root: Path) -> Iterator[tuple[str, os.DirEntry]]:
     folders = [(root, "")]
     while folders:
         folder, prefix = folders.pop()
-        with os.scandir(folder) as entries:
+        try:
+            listing = os.scandir(folder)
+        except OSError as error:  # a sub-folder its owner keeps to themselves, a lost+found
+            log.warning("skipping %s: its files cannot be listed (%s)", folder, error)
+            continue
+        with listing as entries:
             for entry in entries:
                 if entry.name.startswith("."):
                     continue
@@ -235,10 +250,9 @@ def index_folder(root: Path, index_dir: str | Path | None = None, workers: int =
     known = np.zeros(len(names), dtype=bool)
     if old is not None:
         rows, was = _unchanged(names, paths, stamps, old)
-        known[rows], sizes[rows] = True, old.sizes[was]
-        unreadable = sizes[rows, 0] < 0
-        for row, old_row in zip(rows[unreadable].tolist(), was[unreadable].tolist(), strict=True):
-            reasons[row] = old.reasons[old_row]
+        # An unreadable file is read again: a chmod, a mended mount or a newer Pillow may let it in.
+        readable = old.sizes[was, 0] >= 0
+        known[rows[readable]], sizes[rows[readable]] = True, old.sizes[was[readable]]
     to_read = np.flatnonzero(~known)
     to_open = [str(root / names[row]) for row in to_read.tolist()]
     results = read_sizes(to_open, workers, f"Reading image sizes in {root}")
@@ -249,7 +263,7 @@ def index_folder(root: Path, index_dir: str | Path | None = None, workers: int =
             sizes[row] = result
     manifest = Manifest(paths, sizes, stamps, StringTable.of(reasons))
     removed = 0 if old is None or paths == old.paths else len(set(old.paths.tolist()) - set(names))
-    if old is None or len(to_read) or removed:
+    if old is None or not manifest.same_as(old):
         if index_dir is None and not os.access(root, os.W_OK):
             raise DataError(
                 f"image folder {root} is read-only: set data.index_dir (train.py) or --index-dir "
@@ -257,7 +271,8 @@ def index_folder(root: Path, index_dir: str | Path | None = None, workers: int =
             )
         manifest.save(path)
     log.info(
-        "indexed %d image files under %s in %.1f s: %d read (new or changed), %d gone, %d unreadable; "
+        "indexed %d image files under %s in %.1f s: %d read (new, changed or unreadable), %d gone, "
+        "%d unreadable; "
         "manifest %s",
         len(names),
         root,
