@@ -271,7 +271,12 @@ def data_for(cfg: DictConfig, run: DictConfig, given: Collection[str] = ()) -> D
         chosen = OmegaConf.masked_copy(data, [key for key in data if key in SOURCE_SETTINGS or key in given])
     else:  # eval.yaml's and predict.yaml's data.* settings are null unless given
         chosen = {key: value for key, value in data.items() if value is not None}
-    return OmegaConf.merge(run.data, chosen)
+    merged = OmegaConf.merge(run.data, chosen)
+    if merged.get("generate") and "root" not in chosen and not Path(merged.root).is_dir():
+        # the built-in set of a run in another clone or on another machine: made here, in this
+        # paths.data_dir (the same images: they follow their seed), not at the run's path
+        merged.root = str(Path(cfg.paths.data_dir) / Path(merged.root).name)
+    return merged
 
 
 def data_keys_given() -> set[str]:
