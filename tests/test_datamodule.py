@@ -51,6 +51,19 @@ def test_a_flat_folder_is_split_by_seed_and_every_image_is_batched_once(project_
     assert sum(batch.num_images for batch in batches) == len(splits[0])
 
 
+def test_a_folder_no_run_trained_on_is_evaluated_whole(project_root, tmp_path):
+    """eval.py on a new folder of <class>/ folders scored the 10 % it held out, and a folder of
+    test/ alone was refused."""
+    shapes_test = project_root / "data" / "shapes" / "test"
+    shutil.copytree(shapes_test, tmp_path / "flat")
+    shutil.copytree(shapes_test, tmp_path / "split" / "test")
+    for root in (tmp_path / "flat", tmp_path / "split"):
+        datamodule = PackedImageDataModule(str(root), patch_size=16, max_patches=64, evaluate_all=True)
+        datamodule.setup("test")
+        assert len(datamodule.datasets["val"]) == len(datamodule.datasets["test"]) == 48
+        assert datamodule.num_classes == 6
+
+
 def test_the_held_out_split_follows_split_seed_not_the_runs_seed(project_root, tmp_path):
     """Runs of a seed sweep, and eval.py (seed 42) on a run of seed 7, hold out the same
     images; a checkpoint from before split_seed (None) holds out by its seed, as it did."""

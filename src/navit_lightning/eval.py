@@ -50,7 +50,10 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     with explain_collective_failure(trainer):
         getattr(trainer, SPLIT_RUNS[cfg.split])(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
-    rank_zero_info(f"{cfg.split} accuracy: {metrics[f'{cfg.split}/acc']:.4f} ({cfg.ckpt_path})")
+    images = len(datamodule.datasets[cfg.split])
+    rank_zero_info(
+        f"{cfg.split} accuracy: {metrics[f'{cfg.split}/acc']:.4f} on {images} images ({cfg.ckpt_path})"
+    )
     finish_loggers(trainer, {})
     return metrics
 

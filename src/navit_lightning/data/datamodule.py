@@ -71,7 +71,9 @@ class PackedImageDataModule(L.LightningDataModule):
     """Class-folder images at native resolution, packed into fixed-shape token batches.
 
     `root` holds <class>/ folders, or train/ and val/ (and optionally test/) each holding them;
-    without val/ a `val_fraction` of the images is held out, drawn by `split_seed`. With `generate` set, the
+    without val/ a `val_fraction` of the images is held out, drawn by `split_seed`; with
+    `evaluate_all` (eval.py on a folder no run trained on) none is: a root of <class>/
+    folders is all val and test, and val/ or test/ need no train/. With `generate` set, the
     built-in shapes set is written to `root` first (once, on one process per node).
     Every image's size comes from the folder's manifest (data/index.py), brought up to date
     on one process per node; it lies in `root`, or in `index_dir` if given. With `shards`,
@@ -101,6 +103,7 @@ class PackedImageDataModule(L.LightningDataModule):
         generate: shapes.ShapesSpec | None = None,
         index_dir: str | None = None,
         shards: bool = False,
+        evaluate_all: bool = False,
     ) -> None:
         super().__init__()
         require_positive(
@@ -147,6 +150,7 @@ class PackedImageDataModule(L.LightningDataModule):
         self.generate = generate
         self.index_dir = index_dir
         self.shards = shards
+        self.evaluate_all = evaluate_all
         if multiprocessing_context not in (None, *multiprocessing.get_all_start_methods()):
             raise DataError(
                 f"data.multiprocessing_context={multiprocessing_context!r} is unknown: use one of "
@@ -175,9 +179,10 @@ class PackedImageDataModule(L.LightningDataModule):
             return sorted(shapes.CLASSES)  # the folder names, sorted as find_classes does
         if self.shards:
             return shard_classes(self.root)
-        train_root = self.root / folder_layout(self.root)["train"]
-        classes = find_classes(train_root)
-        check_class_folders(train_root, classes)
+        layout = folder_layout(self.root, need_train=not self.evaluate_all)
+        class_root = self.root / layout.get("train", next(iter(layout.values())))
+        classes = find_classes(class_root)
+        check_class_folders(class_root, classes)
         return classes
 
     def prepare_data(self) -> None:
@@ -207,7 +212,7 @@ class PackedImageDataModule(L.LightningDataModule):
                 )
             self.datasets["predict"] = ImageFolder(images, self.patch_size)
             return
-        if "train" in self.datasets:
+        if self.datasets:
             return
         classes = self.class_names()
         manifest, layout = self._manifest()
@@ -218,7 +223,7 @@ class PackedImageDataModule(L.LightningDataModule):
             if unreadable:
                 rank_zero_warn(f"{split}: left out {len(unreadable)} unreadable files (named above)")
             splits[split] = images
-        if layout["train"]:
+        if "" not in layout.values():  # split folders: any others beside them are left out
             tops = {path.split("/", 1)[0] for path in manifest.paths.tolist() if "/" in path}
             unused = sorted(tops - {*layout.values()})
             if unused:
@@ -226,7 +231,9 @@ class PackedImageDataModule(L.LightningDataModule):
                     f"{self.root}: left out the images in {', '.join(f'{name}/' for name in unused)} "
                     f"(the splits are {', '.join(f'{name}/' for name in layout.values())})"
                 )
-        learnt = np.unique(splits["train"].labels)
+        if self.evaluate_all and "val" not in splits:  # every image is evaluated, none held out
+            splits["val"] = splits.get("test", splits.get("train"))
+        learnt = np.unique(splits["train"].labels) if "train" in splits and not self.evaluate_all else classes
         if len(learnt) < len(classes):  # every file of the class unreadable: it cannot be learnt
             empty = next(name for label, name in enumerate(classes) if label not in learnt)
             raise DataError(
@@ -243,21 +250,23 @@ class PackedImageDataModule(L.LightningDataModule):
             for name, images in splits.items()
         }
         if "test" not in self.datasets:
-            rank_zero_info(
-                f"no test/ folder under {self.root}: the test split is the val split, which also "
-                "picks the best checkpoint; train/<class>/ beside test/<class>/ gives an independent test/acc"
-            )
+            if not self.evaluate_all:
+                rank_zero_info(
+                    f"no test/ folder under {self.root}: the test split is the val split, which "
+                    "also picks the best checkpoint; train/<class>/ beside test/<class>/ gives an "
+                    "independent test/acc"
+                )
             self.datasets["test"] = self.datasets["val"]
 
     def _manifest(self) -> tuple[Manifest, dict[str, str]]:
         """root's manifest and which of its folders holds each split (split_layout)."""
         if self.shards:
             manifest = load_shards(self.root)
-            return manifest, paths_layout(self.root, manifest.paths.tolist())
+            return manifest, paths_layout(self.root, manifest.paths.tolist(), not self.evaluate_all)
         # Written by prepare_data; indexed here where this datamodule runs without a Trainer.
         path = manifest_path(self.root, self.index_dir)
         manifest = Manifest.load(path) or index_folder(self.root, self.index_dir)
-        return manifest, folder_layout(self.root)
+        return manifest, folder_layout(self.root, need_train=not self.evaluate_all)
 
     @property
     def _devices_per_process(self) -> int:

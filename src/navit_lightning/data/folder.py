@@ -111,11 +111,14 @@ Unreadable = list[tuple[Path, str]]  # (path, why)
 SPLIT_NAMES = {"train": ("train",), "val": ("val", "valid", "validation"), "test": ("test",)}
 
 
-def split_layout(root: Path, folders: Iterable[str], holds_folders: Callable[[str], bool]) -> dict[str, str]:
+def split_layout(
+    root: Path, folders: Iterable[str], holds_folders: Callable[[str], bool], need_train: bool = True
+) -> dict[str, str]:
     """Which of root's top-level `folders` holds each split: {"train": "Train", "val":
     "valid"} where a train folder holds class folders (`holds_folders(name)`), else
     {"train": ""}: root's own class folders, val held out. A folder named after a split
-    that holds images alone is a class (CIFAR-100 has a class "train")."""
+    that holds images alone is a class (CIFAR-100 has a class "train"). Without `need_train`
+    (an evaluation), val/ or test/ alone are split folders too."""
     found: dict[str, list[str]] = {split: [] for split in SPLIT_NAMES}
     for name in folders:
         split = next((split for split, names in SPLIT_NAMES.items() if name.lower() in names), None)
@@ -128,6 +131,8 @@ def split_layout(root: Path, folders: Iterable[str], holds_folders: Callable[[st
             )
     if not found["train"]:
         stray = found["val"] + found["test"]
+        if stray and not need_train:
+            return {split: names[0] for split, names in found.items() if names}
         if stray:  # it would become a class of the flat root's
             raise DataError(
                 f"image folder {root} has {stray[0]}/ but no train/ folder: put the training images "
@@ -137,7 +142,7 @@ def split_layout(root: Path, folders: Iterable[str], holds_folders: Callable[[st
     return {split: names[0] for split, names in found.items() if names}
 
 
-def folder_layout(root: Path) -> dict[str, str]:
+def folder_layout(root: Path, need_train: bool = True) -> dict[str, str]:
     """split_layout of a folder on disk."""
     if not root.is_dir():
         raise DataError(f"image folder {root} does not exist: set data.root to a folder of class sub-folders")
@@ -146,17 +151,17 @@ def folder_layout(root: Path) -> dict[str, str]:
     def holds_folders(name: str) -> bool:
         return any(path.is_dir() and not path.name.startswith(".") for path in (root / name).iterdir())
 
-    return split_layout(root, folders, holds_folders)
+    return split_layout(root, folders, holds_folders, need_train)
 
 
-def paths_layout(root: Path, paths: list[str]) -> dict[str, str]:
+def paths_layout(root: Path, paths: list[str], need_train: bool = True) -> dict[str, str]:
     """split_layout of the folder that held `paths` (a shard folder's manifest paths)."""
     nested: dict[str, bool] = {}  # top-level folder -> whether a path goes on into a folder
     for path in paths:
         top, _, rest = path.partition("/")
         if rest:
             nested[top] = nested.get(top, False) or "/" in rest
-    return split_layout(root, nested, nested.__getitem__)
+    return split_layout(root, nested, nested.__getitem__, need_train)
 
 
 def split_images(
