@@ -171,3 +171,14 @@ def test_a_folder_that_cannot_be_listed_is_skipped_and_every_suffix_pillow_reads
     assert f"skipping {root / 'cats' / 'private'}: its files cannot be listed" in caplog.text
     assert "cats/saved.jfif" in manifest.paths.tolist()
     assert not [path for path in manifest.paths.tolist() if "private" in path]
+
+
+def test_a_file_name_that_is_not_utf8_is_indexed_as_listed(tmp_path):
+    """An old zip's caf\xe9.jpg (Latin-1) stopped the index with a UnicodeEncodeError."""
+    root = make_folder(tmp_path / "images")
+    name = os.fsdecode(b"caf\xe9.png")
+    Image.new("RGB", (8, 9)).save(root / "cats" / name)
+    manifest = index_folder(root)
+    row = manifest.paths.tolist().index(f"cats/{name}")
+    assert manifest.sizes[row].tolist() == [9, 8]
+    assert Manifest.load(manifest_path(root)).paths.tolist() == manifest.paths.tolist()

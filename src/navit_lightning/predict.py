@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.data.folder import IMAGE_SUFFIXES, image_files_under
+from navit_lightning.data.index import SURROGATES
 from navit_lightning.errors import ConfigError, DataError
 from navit_lightning.utils.checkpoints import (
     build_from_checkpoint,
@@ -72,7 +73,8 @@ class PredictionWriter(BasePredictionWriter):
 
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._part = open(self._part_path(trainer.global_rank), "w", newline="")  # noqa: SIM115
+        # a file name that is not UTF-8 is written as its bytes (errors=SURROGATES)
+        self._part = open(self._part_path(trainer.global_rank), "w", newline="", errors=SURROGATES)  # noqa: SIM115
 
     def write_on_batch_end(
         self,
@@ -102,13 +104,13 @@ class PredictionWriter(BasePredictionWriter):
             return
         rows = []
         for rank in range(trainer.world_size):
-            with open(self._part_path(rank), newline="") as part:
+            with open(self._part_path(rank), newline="", errors=SURROGATES) as part:
                 rows.extend(csv.reader(part))
             self._part_path(rank).unlink()
         if not rows:
             raise DataError(f"none of the {len(self.paths)} input file(s) could be decoded (named above)")
         rows.sort(key=lambda row: int(row[0]))
-        with open(self.path, "w", newline="") as file:
+        with open(self.path, "w", newline="", errors=SURROGATES) as file:
             writer = csv.writer(file)
             writer.writerow(self.header())
             writer.writerows(row[1:] for row in rows)
@@ -131,7 +133,7 @@ def predict(cfg: DictConfig) -> Path:
             "or null for the training run's data.max_patches"
         )
     L.seed_everything(cfg.seed, workers=True)
-    paths = image_files(Path(cfg.input))
+    paths = image_files(Path(cfg.input).expanduser())
     run, class_names = load_training_run(cfg.ckpt_path)
     data = OmegaConf.merge(data_for(cfg, run, data_keys_given()), {"generate": None})  # nothing to generate
     output = Path(cfg.paths.output_dir) / "predictions.csv"

@@ -38,6 +38,9 @@ IMAGE_SUFFIXES |= {".ppm", ".pgm", ".pbm"}
 # What Pillow raises for a file that is not an image, or not a whole one.
 UNREADABLE = (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError)
 MANIFEST_NAME = ".navit_manifest.npz"
+# How a file name that is not UTF-8 (an old zip's caf\xe9.jpg) is encoded: back to the bytes
+# it has on disk, as os.fsencode does
+SURROGATES = "surrogateescape"
 MANIFEST_VERSION = 1
 # A pool's processes take ~5 s to start (they import torch) where one process reads a local
 # file's header in ~20 us: below this many files it costs more than it saves (on a network
@@ -55,7 +58,7 @@ class StringTable:
 
     @classmethod
     def of(cls, strings: list[str]) -> StringTable:
-        encoded = [string.encode() for string in strings]
+        encoded = [string.encode(errors=SURROGATES) for string in strings]
         ends = np.cumsum([len(item) for item in encoded], dtype=np.int64)
         return cls(np.frombuffer(b"".join(encoded), dtype=np.uint8), ends)
 
@@ -64,7 +67,7 @@ class StringTable:
 
     def __getitem__(self, index: int) -> str:
         start = self.ends[index - 1] if index else 0
-        return self.buffer[start : self.ends[index]].tobytes().decode()
+        return self.buffer[start : self.ends[index]].tobytes().decode(errors=SURROGATES)
 
     def __eq__(self, other: object) -> bool:
         return (

@@ -138,6 +138,8 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not args.folder.is_dir():
         parser.error(f"{args.folder} is not a folder")
+    if args.samples_per_shard < 1:
+        parser.error(f"--samples-per-shard {args.samples_per_shard}: a shard holds 1 image or more")
     try:
         write_shards(args.folder, args.out, args.samples_per_shard, args.workers, args.index_dir)
     except DataError as error:
