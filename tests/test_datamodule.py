@@ -80,6 +80,27 @@ def test_the_held_out_split_follows_split_seed_not_the_runs_seed(project_root, t
     assert held_out("data.split_seed=null", "seed=1") == held_out("data.split_seed=1")
 
 
+def test_images_added_to_a_flat_folder_leave_every_other_image_in_its_split(project_root, tmp_path):
+    """A shuffle of them all drew another split: images earlier runs trained on were
+    validated (4 of 6 new val images after adding 5 to 60)."""
+    shutil.copytree(project_root / "data" / "shapes" / "train", tmp_path / "images")
+    added = sorted((project_root / "data" / "shapes" / "val").rglob("*.jpg"))[:20]
+
+    def splits() -> tuple[set[str], set[str]]:
+        cfg = train_config(["data=imagefolder", f"data.root={tmp_path / 'images'}"])
+        datamodule = hydra.utils.instantiate(cfg.data, num_workers=0)
+        datamodule.prepare_data()  # the manifest brought up to date, as a run does
+        datamodule.setup("fit")
+        return tuple(set(datamodule.datasets[name].images.paths.tolist()) for name in ("train", "val"))
+
+    train, val = splits()
+    assert 0.05 < len(val) / (len(train) + len(val)) < 0.15  # data.val_fraction, 0.1
+    for number, path in enumerate(added):
+        shutil.copy(path, tmp_path / "images" / path.parent.name / f"added_{number}.jpg")
+    train_after, val_after = splits()
+    assert train <= train_after and val <= val_after and len(train_after | val_after) == len(train | val) + 20
+
+
 def test_batches_deliver_exactly_the_planned_sizes(project_root):
     datamodule = PackedImageDataModule(
         str(project_root / "data" / "shapes"),

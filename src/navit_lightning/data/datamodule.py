@@ -71,7 +71,8 @@ class PackedImageDataModule(L.LightningDataModule):
     """Class-folder images at native resolution, packed into fixed-shape token batches.
 
     `root` holds <class>/ folders, or train/ and val/ (and optionally test/) each holding them;
-    without val/ a `val_fraction` of the images is held out, drawn by `split_seed`; with
+    without val/ a `val_fraction` of the images is held out, drawn by `split_seed` (from each
+    image's path with `split_by_path`, as the configs set it; see folder.hold_out); with
     `evaluate_all` (eval.py on a folder no run trained on) none is: a root of <class>/
     folders is all val and test, and val/ or test/ need no train/. With `generate` set, the
     built-in shapes set is written to `root` first (once, on one process per node).
@@ -100,6 +101,7 @@ class PackedImageDataModule(L.LightningDataModule):
         pin_memory: bool = True,
         seed: int = 0,
         split_seed: int | None = None,
+        split_by_path: bool = False,
         generate: shapes.ShapesSpec | None = None,
         index_dir: str | None = None,
         shards: bool = False,
@@ -147,6 +149,7 @@ class PackedImageDataModule(L.LightningDataModule):
         # None: `seed`, as every run did before split_seed existed (their checkpoints hold no
         # split_seed, and eval.py must hold out the same images from them)
         self.split_seed = seed if split_seed is None else split_seed
+        self.split_by_path = split_by_path  # False: as runs from before it held out
         self.generate = generate
         self.index_dir = index_dir
         self.shards = shards
@@ -241,7 +244,9 @@ class PackedImageDataModule(L.LightningDataModule):
                 "above): add readable images or remove the folder"
             )
         if "val" not in splits:
-            splits["train"], splits["val"] = hold_out(splits["train"], self.val_fraction, self.split_seed)
+            splits["train"], splits["val"] = hold_out(
+                splits["train"], self.val_fraction, self.split_seed, self.split_by_path
+            )
         for name, images in splits.items():
             if not len(images.labels):
                 raise DataError(f"no readable images for the {name} split under {self.root}")

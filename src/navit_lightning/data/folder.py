@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import multiprocessing
@@ -17,6 +18,7 @@ from torch.utils.data import Dataset
 
 from navit_lightning.data.index import (
     IMAGE_SUFFIXES,
+    SURROGATES,
     UNREADABLE,
     Manifest,
     StringTable,
@@ -94,14 +96,28 @@ class Images:
             return io.BytesIO(file.read(length))
 
 
-def hold_out(images: Images, fraction: float, seed: int) -> tuple[Images, Images]:
-    """(the rest, a seeded `fraction` of the images): train and val where no val/ is given."""
+def hold_out(images: Images, fraction: float, seed: int, by_path: bool) -> tuple[Images, Images]:
+    """(the rest, a `fraction` of the images): train and val where no val/ is given. by_path:
+    each image by a draw from its path and `seed` alone, so that images added to the folder
+    later leave every other image in its split (about `fraction` of them, one at least);
+    else the first `fraction` of a seeded shuffle of them all (runs from before by_path)."""
+    if by_path:
+        draws = np.array([path_draw(path, seed) for path in images.paths.tolist()])
+        held = draws < fraction
+        held[np.argmin(draws)] = True
+        return images.take(np.flatnonzero(~held)), images.take(np.flatnonzero(held))
     order = list(range(len(images.labels)))
     random.Random(seed).shuffle(order)
     held_out = max(1, round(len(order) * fraction))
     return images.take(np.array(order[held_out:], dtype=np.int64)), images.take(
         np.array(order[:held_out], dtype=np.int64)
     )
+
+
+def path_draw(path: str, seed: int) -> float:
+    """A uniform draw in [0, 1) from a file's path and a seed alone."""
+    digest = hashlib.blake2b(f"{seed}:{path}".encode(errors=SURROGATES), digest_size=8).digest()
+    return int.from_bytes(digest) / 2**64
 
 
 Unreadable = list[tuple[Path, str]]  # (path, why)
