@@ -158,6 +158,22 @@ def test_early_stopping_stops_every_ddp_rank_after_the_same_epoch(run_entry_poin
     assert f"[rank: 0] {stopped}" in output and f"[rank: 1] {stopped}" not in output, output[-3000:]
     assert len(logged_scalars(run / "tensorboard")["val/acc"]) == 2  # of trainer.max_epochs=4
 
+    # the same command again resumes a stopped run: it trained another epoch and stopped again
+    steps = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
+    result = run_entry_point(
+        "train.py",
+        *TINY_RUN,
+        *DDP_TWO_RANKS,
+        "callbacks=early_stopping",
+        "callbacks.early_stopping.patience=1",
+        "callbacks.early_stopping.min_delta=2",
+        "trainer.max_epochs=4",
+        "ckpt_path=last",
+        f"hydra.run.dir={run}",
+    )
+    assert "it stays stopped" in result.stdout + result.stderr
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == steps
+
 
 def test_ema_weights_are_saved_and_tested_as_eval_py_tests_them(run_entry_point):
     """callbacks=ema on 2 ddp ranks: the checkpoints hold the average (the trained weights

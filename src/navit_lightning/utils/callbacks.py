@@ -7,7 +7,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ThroughputMonitor, WeightAveraging
+from lightning.pytorch.callbacks import EarlyStopping, ThroughputMonitor, WeightAveraging
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
@@ -186,3 +186,17 @@ class UnreadableImageReport(L.Callback):
         if total is not None and total > 0:
             count = f"{int(total)} image{'s' if total > 1 else ''}"
             rank_zero_warn(f"{stage} epoch {epoch}: skipped {count} that could not be decoded")
+
+
+class StopEarly(EarlyStopping):
+    """Lightning's EarlyStopping, and a run it stopped stays stopped: resumed from its last
+    checkpoint (the same command again, ckpt_path=last), it trained another epoch before it
+    stopped again. The callback's counts are in the checkpoint, its decision was not."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.wait_count >= self.patience:  # every rank loaded the same counts
+            trainer.should_stop = True
+            rank_zero_info(
+                f"{self.monitor} had not improved for {self.wait_count} validations when this run "
+                "stopped early: it stays stopped (raise callbacks.early_stopping.patience to go on)"
+            )
