@@ -142,3 +142,10 @@ def test_device_stats_logs_the_cpu_use_at_every_logged_step(run_entry_point):
             assert len(values) == trained_batches(result)
             assert all(0 <= value <= 100 for _, value in values)
     assert all(value > 0 for _, value in scalars["DeviceStatsMonitor.on_train_batch_end/cpu_vm_percent"])
+
+
+def test_callbacks_none_writes_no_checkpoint(run_entry_point):
+    """Lightning added a ModelCheckpoint of its own, into tensorboard/checkpoints/, which
+    ckpt_path=last did not find."""
+    run_entry_point("train.py", "callbacks=none", *TINY_RUN, "patch_budgets=null")
+    assert not list((run_entry_point.root / "logs").rglob("*.ckpt"))

@@ -8,7 +8,7 @@ from pathlib import Path
 import hydra
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import WeightAveraging
+from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -50,7 +50,14 @@ def build(
         *extra_callbacks,
     ]
     loggers = instantiate_group(cfg.get("logger"))
-    trainer: L.Trainer = hydra.utils.instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    # Without a checkpoint callback (callbacks=none) Lightning adds one of its own, into the
+    # logger's folder, where ckpt_path=last does not look
+    checkpointing = cfg.trainer.get(
+        "enable_checkpointing", any(isinstance(callback, ModelCheckpoint) for callback in callbacks)
+    )
+    trainer: L.Trainer = hydra.utils.instantiate(
+        cfg.trainer, callbacks=callbacks, logger=loggers or False, enable_checkpointing=checkpointing
+    )
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):  # its HPARAMS tab lists the metrics named here
             declared = [name for name, (_, switch) in HP_METRICS.items() if cfg.get(switch)]
