@@ -101,6 +101,21 @@ def test_images_added_to_a_flat_folder_leave_every_other_image_in_its_split(proj
     assert train <= train_after and val <= val_after and len(train_after | val_after) == len(train | val) + 20
 
 
+def test_a_resume_holds_out_what_its_run_held_out(project_root, tmp_path):
+    """train.py builds the data from this config: a run from before split_seed and
+    split_by_path, resumed, validated on images it had trained on."""
+    shutil.copytree(project_root / "data" / "shapes" / "train", tmp_path / "images")
+
+    def held_out(datamodule: PackedImageDataModule) -> list[str]:
+        datamodule.setup("fit")
+        return datamodule.datasets["val"].images.paths.tolist()
+
+    before = held_out(PackedImageDataModule(str(tmp_path / "images"), seed=7, num_workers=0))
+    resumed = PackedImageDataModule(str(tmp_path / "images"), seed=7, split_seed=0, split_by_path=True)
+    resumed.hold_out_as({"seed": 7})  # the old run's data config: neither setting
+    assert held_out(resumed) == before
+
+
 def test_batches_deliver_exactly_the_planned_sizes(project_root):
     datamodule = PackedImageDataModule(
         str(project_root / "data" / "shapes"),

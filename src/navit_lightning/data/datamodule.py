@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -170,6 +170,14 @@ class PackedImageDataModule(L.LightningDataModule):
         self._train_position: dict[str, Any] | None = None  # from a checkpoint, for train_dataloader
         self._reported = False  # the effective batch, printed with the first train loader
         self._loaders: dict[str, tuple[tuple, DataLoader]] = {}  # split -> (made for, loader)
+
+    def hold_out_as(self, run_data: Mapping[str, Any]) -> None:
+        """Hold out the images that the run of `run_data` (a checkpoint's data config) held
+        out, which a resume or a test of it must keep: a run from before split_seed or
+        split_by_path held out by its seed, by a shuffle."""
+        split_seed = run_data.get("split_seed")
+        self.split_seed = run_data.get("seed", self.seed) if split_seed is None else split_seed
+        self.split_by_path = run_data.get("split_by_path", False)
 
     @property
     def num_classes(self) -> int:
