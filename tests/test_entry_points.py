@@ -8,7 +8,9 @@ import hydra
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.callbacks import EarlyStopping
 
+from navit_lightning.utils.callbacks import StopEarly
 from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, logged_scalars
 from tests.test_configs import compose_train
 
@@ -173,6 +175,27 @@ def test_early_stopping_stops_every_ddp_rank_after_the_same_epoch(run_entry_poin
     )
     assert "it stays stopped" in result.stdout + result.stderr
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == steps
+
+
+def test_a_resumed_early_stop_takes_the_commands_patience_and_older_checkpoints_counts():
+    """Lightning's EarlyStopping restored the checkpoint's patience (a larger one did not go
+    on), and patience=0 must not stop a run that has not validated."""
+
+    class Trainer:
+        should_stop = False
+
+    saved = EarlyStopping(monitor="val/acc", mode="max", patience=3)  # a checkpoint from before StopEarly
+    saved.wait_count = 3
+    for patience, stops in ((3, True), (10, False)):
+        resumed = StopEarly(monitor="val/acc", mode="max", patience=patience)
+        checkpoint = {saved.state_key: saved.state_dict()}
+        resumed.load_state_dict(checkpoint[resumed.state_key])
+        trainer = Trainer()
+        resumed.on_train_start(trainer, None)
+        assert resumed.patience == patience and trainer.should_stop is stops
+    trainer = Trainer()
+    StopEarly(monitor="val/acc", mode="max", patience=0).on_train_start(trainer, None)
+    assert trainer.should_stop is False
 
 
 def test_ema_weights_are_saved_and_tested_as_eval_py_tests_them(run_entry_point):

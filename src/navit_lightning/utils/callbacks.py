@@ -191,10 +191,21 @@ class UnreadableImageReport(L.Callback):
 class StopEarly(EarlyStopping):
     """Lightning's EarlyStopping, and a run it stopped stays stopped: resumed from its last
     checkpoint (the same command again, ckpt_path=last), it trained another epoch before it
-    stopped again. The callback's counts are in the checkpoint, its decision was not."""
+    stopped again. The callback's counts are in the checkpoint, its decision was not. The
+    patience is the command's (Lightning's restores the checkpoint's), so that a larger one
+    goes on."""
+
+    @property
+    def state_key(self) -> str:  # EarlyStopping's: checkpoints written with it keep their counts
+        return super().state_key.replace(type(self).__qualname__, EarlyStopping.__qualname__, 1)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        patience = self.patience
+        super().load_state_dict(state_dict)
+        self.patience = patience
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.wait_count >= self.patience:  # every rank loaded the same counts
+        if 0 < self.wait_count >= self.patience:  # every rank loaded the same counts
             trainer.should_stop = True
             rank_zero_info(
                 f"{self.monitor} had not improved for {self.wait_count} validations when this run "
