@@ -247,6 +247,10 @@ def test_split_folders_are_found_by_their_names_in_any_case_and_a_class_may_be_c
             save(Image.new("RGB", (8, 8)), tmp_path / "vehicles" / name / f"{number}.png")
     assert {path.split("/")[0] for path in layout(tmp_path / "vehicles")["train"]} <= {"bus", "train"}
 
+    for name in ("invalid/a", "valid/2023", "valid/2024"):  # classes whose images lie in folders
+        save(Image.new("RGB", (8, 8)), tmp_path / "nested" / name / "0.png")
+    assert PackedImageDataModule(str(tmp_path / "nested")).class_names() == ["invalid", "valid"]
+
     for name in ("cat", "dog", "test/cat", "test/dog"):
         save(Image.new("RGB", (8, 8)), tmp_path / "flat" / name / "0.png")
     with pytest.raises(

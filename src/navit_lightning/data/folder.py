@@ -128,34 +128,39 @@ SPLIT_NAMES = {"train": ("train",), "val": ("val", "valid", "validation"), "test
 
 
 def split_layout(
-    root: Path, folders: Iterable[str], holds_folders: Callable[[str], bool], need_train: bool = True
+    root: Path, folders: Iterable[str], subfolders: Callable[[str], set[str]], need_train: bool = True
 ) -> dict[str, str]:
     """Which of root's top-level `folders` holds each split: {"train": "Train", "val":
-    "valid"} where a train folder holds class folders (`holds_folders(name)`), else
-    {"train": ""}: root's own class folders, val held out. A folder named after a split
-    that holds images alone is a class (CIFAR-100 has a class "train"). Without `need_train`
-    (an evaluation), val/ or test/ alone are split folders too."""
+    "valid"} where a train folder holds class folders (`subfolders(name)`, their names),
+    else {"train": ""}: root's own class folders, val held out. A folder named after a split
+    that holds images alone is a class (CIFAR-100 has a class "train"). A val/ or test/ of
+    the classes beside it is refused without train/ (it would be a class); without
+    `need_train` (an evaluation), val/ or test/ alone are split folders."""
     found: dict[str, list[str]] = {split: [] for split in SPLIT_NAMES}
+    nested: dict[str, set[str]] = {}
     for name in folders:
         split = next((split for split, names in SPLIT_NAMES.items() if name.lower() in names), None)
-        if split is not None and holds_folders(name):
-            found[split].append(name)
+        if split is not None:
+            nested[name] = subfolders(name)
+            if nested[name]:
+                found[split].append(name)
     for split, names in found.items():
         if len(names) > 1:
             raise DataError(
                 f"image folder {root} has {len(names)} {split} folders ({', '.join(sorted(names))}): keep one"
             )
-    if not found["train"]:
-        stray = found["val"] + found["test"]
-        if stray and not need_train:
-            return {split: names[0] for split, names in found.items() if names}
-        if stray:  # it would become a class of the flat root's
-            raise DataError(
-                f"image folder {root} has {stray[0]}/ but no train/ folder: put the training images "
-                f"in {root}/train/<class>/"
-            )
-        return {"train": ""}
-    return {split: names[0] for split, names in found.items() if names}
+    if found["train"]:
+        return {split: names[0] for split, names in found.items() if names}
+    stray = found["val"] + found["test"]
+    others = set(folders) - set(stray)
+    if stray and not others and not need_train:
+        return {split: names[0] for split, names in found.items() if names}
+    if stray and nested[stray[0]] & others:  # test/<class>/ beside <class>/: not a class
+        raise DataError(
+            f"image folder {root} has {stray[0]}/ but no train/ folder: put the training images "
+            f"in {root}/train/<class>/"
+        )
+    return {"train": ""}
 
 
 def folder_layout(root: Path, need_train: bool = True) -> dict[str, str]:
@@ -164,19 +169,20 @@ def folder_layout(root: Path, need_train: bool = True) -> dict[str, str]:
         raise DataError(f"image folder {root} does not exist: set data.root to a folder of class sub-folders")
     folders = [path.name for path in root.iterdir() if path.is_dir() and not path.name.startswith(".")]
 
-    def holds_folders(name: str) -> bool:
-        return any(path.is_dir() and not path.name.startswith(".") for path in (root / name).iterdir())
+    def subfolders(name: str) -> set[str]:
+        return {path.name for path in (root / name).iterdir() if path.is_dir() and path.name[0] != "."}
 
-    return split_layout(root, folders, holds_folders, need_train)
+    return split_layout(root, folders, subfolders, need_train)
 
 
 def paths_layout(root: Path, paths: list[str], need_train: bool = True) -> dict[str, str]:
     """split_layout of the folder that held `paths` (a shard folder's manifest paths)."""
-    nested: dict[str, bool] = {}  # top-level folder -> whether a path goes on into a folder
+    nested: dict[str, set[str]] = {}  # top-level folder -> the folders in it
     for path in paths:
         top, _, rest = path.partition("/")
         if rest:
-            nested[top] = nested.get(top, False) or "/" in rest
+            inner, _, file = rest.partition("/")
+            nested.setdefault(top, set()).update([inner] if file else [])
     return split_layout(root, nested, nested.__getitem__, need_train)
 
 
