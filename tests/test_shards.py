@@ -8,6 +8,7 @@ import tarfile
 
 import pytest
 import torch
+from PIL import Image
 
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.data.shards import write_shards
@@ -81,6 +82,21 @@ def test_a_read_only_folder_is_sharded_with_its_manifest_in_index_dir(project_ro
 def test_a_folder_without_shards_is_refused_with_the_command_that_writes_them(tmp_path):
     with pytest.raises(DataError, match=r"python -m navit_lightning\.data\.shards"):
         PackedImageDataModule(str(tmp_path), shards=True).class_names()
+
+
+def test_a_folder_that_cannot_train_is_not_sharded(tmp_path):
+    """It was written, and training failed mid-fit (one class) or refused it later."""
+    Image.new("RGB", (8, 8)).save(tmp_path / "x.png")
+    for name, content in (("cat/0.png", None), ("dog/0.png", b"not a png")):
+        (tmp_path / "images" / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(tmp_path / "x.png", tmp_path / "images" / name)
+        if content:
+            (tmp_path / "images" / name).write_bytes(content)
+    with pytest.raises(DataError, match=r"dog holds no readable image"):
+        write_shards(tmp_path / "images", tmp_path / "shards")
+    shutil.rmtree(tmp_path / "images" / "dog")
+    with pytest.raises(DataError, match=r"has one class folder \(cat\)"):
+        write_shards(tmp_path / "images", tmp_path / "shards")
 
 
 @pytest.mark.slow

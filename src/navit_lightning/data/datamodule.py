@@ -20,6 +20,7 @@ from navit_lightning.data import shapes
 from navit_lightning.data.folder import (
     ImageFolder,
     check_class_folders,
+    check_every_class_readable,
     find_classes,
     folder_layout,
     hold_out,
@@ -244,13 +245,8 @@ class PackedImageDataModule(L.LightningDataModule):
                 )
         if self.evaluate_all and "val" not in splits:  # every image is evaluated, none held out
             splits["val"] = splits.get("test", splits.get("train"))
-        learnt = np.unique(splits["train"].labels) if "train" in splits and not self.evaluate_all else classes
-        if len(learnt) < len(classes):  # every file of the class unreadable: it cannot be learnt
-            empty = next(name for label, name in enumerate(classes) if label not in learnt)
-            raise DataError(
-                f"class folder {self.root / layout['train'] / empty} holds no readable image (named "
-                "above): add readable images or remove the folder"
-            )
+        if "train" in splits and not self.evaluate_all:
+            check_every_class_readable(splits["train"], classes, self.root / layout["train"])
         if "val" not in splits:
             splits["train"], splits["val"] = hold_out(
                 splits["train"], self.val_fraction, self.split_seed, self.split_by_path

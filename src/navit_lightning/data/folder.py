@@ -56,6 +56,18 @@ def check_class_folders(root: Path, classes: list[str]) -> None:
         )
 
 
+def check_every_class_readable(images: Images, classes: list[str], folder: Path) -> None:
+    """Refuse training images where a class has no readable one (all its files unreadable):
+    it could never be learnt."""
+    learnt = set(np.unique(images.labels).tolist())
+    empty = [name for label, name in enumerate(classes) if label not in learnt]
+    if empty:
+        raise DataError(
+            f"class folder {folder / empty[0]} holds no readable image (named above): add readable "
+            "images or remove the folder"
+        )
+
+
 def image_files_under(folder: Path) -> list[Path]:
     """Every image file under `folder` (index.image_entries), sorted."""
     return sorted(folder / path for path, _ in image_entries(folder))

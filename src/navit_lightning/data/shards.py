@@ -26,6 +26,7 @@ import numpy as np
 
 from navit_lightning.data.folder import (
     check_class_folders,
+    check_every_class_readable,
     find_classes,
     folder_layout,
     split_images,
@@ -59,6 +60,8 @@ def write_shards(
     for split, split_folder in layout.items():
         images, unreadable = split_images(manifest, folder, split_folder, classes)
         warn_unreadable(unreadable)
+        if split == "train":
+            check_every_class_readable(images, classes, folder / split_folder)
         shard_list = []
         for start in range(0, len(images.labels), samples_per_shard):
             name = f"{split}-{start // samples_per_shard:06d}.tar"
