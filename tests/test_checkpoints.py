@@ -129,22 +129,15 @@ def test_eval_on_a_data_group_takes_its_images_with_the_runs_sizes_and_what_the_
         cfg = compose("eval", overrides=overrides)
     data = data_for(cfg, run, given={"root", "rows"})
     assert data._target_ == target and data.root == str(tmp_path) and data.generate is None
-    assert data.max_patches == 144 and data.rows == 2
+    assert data.max_patches == 144 and data.rows == 2 and data.evaluate_all  # not the run's folder
+    # the run's own folder, written another way: its held-out split, not all of it
+    run.data.root = str(Path.home() / "images")
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("eval", overrides=["ckpt_path=run.ckpt", "data=imagefolder", "data.root='~/images'"])
+    assert not data_for(cfg, run, given={"root"}).get("evaluate_all")
     # a datamodule of another class: the group as it is
     other = OmegaConf.create({"data": {"_target_": "the.runs.DataModule", "rows": 4}})
     assert data_for(cfg, other, given={"root", "rows"}) == cfg.data
-
-
-def test_a_moved_runs_built_in_data_is_made_in_this_data_dir(tmp_path):
-    """Its stored root is the old clone's: eval.py generated the set there, or failed with a
-    traceback where that path could not be written."""
-    old_clone = tmp_path / "old" / "data" / "shapes"
-    run = OmegaConf.create({"data": {"_target_": "M", "root": str(old_clone), "generate": {"n": 1}}})
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("eval", overrides=["ckpt_path=run.ckpt", f"paths.data_dir={tmp_path / 'here'}"])
-    assert data_for(cfg, run).root == str(tmp_path / "here" / "shapes")
-    old_clone.mkdir(parents=True)  # where the run's folder is still there, it is used
-    assert data_for(cfg, run).root == str(old_clone)
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):

@@ -1,8 +1,13 @@
 import json
+from dataclasses import asdict
 
+import pytest
 from PIL import Image
 
 from navit_lightning.data import shapes
+from navit_lightning.errors import DataError
+
+TINY = shapes.ShapesSpec(num_train=6, num_val=6, num_test=6)
 
 
 def test_generation_is_deterministic_varied_and_done_once(tmp_path):
@@ -27,3 +32,19 @@ def test_a_new_spec_replaces_the_old_images(tmp_path):
     shapes.generate(tmp_path, shapes.ShapesSpec(num_train=12, num_val=6, num_test=6), workers=1)
     shapes.generate(tmp_path, shapes.ShapesSpec(num_train=6, num_val=6, num_test=6, seed=1), workers=1)
     assert len([p for p in (tmp_path / "train").rglob("*.*")]) == 6
+
+
+def test_a_moved_runs_built_in_data_is_read_in_this_data_dir_unless_another_set_is_there(tmp_path):
+    """Its stored root is the old clone's: eval.py made the set there (or a traceback where
+    that path could not be written)."""
+    spec = {"_target_": "navit_lightning.data.shapes.ShapesSpec", **asdict(TINY)}
+    old_clone = tmp_path / "old" / "data" / "shapes"
+    here = tmp_path / "here"
+    assert shapes.root_for_run(str(old_clone), str(here), spec) == str(here / "shapes")
+    shapes.generate(here / "shapes", TINY, workers=1)  # the same set made here: read
+    assert shapes.root_for_run(str(old_clone), str(here), spec) == str(here / "shapes")
+    other = {**spec, "num_train": TINY.num_train + 1}  # another set's images would be replaced
+    with pytest.raises(DataError, match=r"holds another set: set paths.data_dir to a folder"):
+        shapes.root_for_run(str(old_clone), str(here), other)
+    old_clone.mkdir(parents=True)  # the run's own folder, where it is still there
+    assert shapes.root_for_run(str(old_clone), str(here), other) == str(old_clone)

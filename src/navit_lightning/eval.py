@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig
 
 from navit_lightning import CONFIG_DIR
+from navit_lightning.data import shapes
 from navit_lightning.errors import ConfigError
 from navit_lightning.resolution import accuracy_across_budgets, report
 from navit_lightning.utils.checkpoints import (
@@ -37,7 +38,10 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         raise ConfigError(f"split={cfg.split!r} is unknown: use split=val or split=test")
     L.seed_everything(cfg.seed, workers=True)
     run, class_names = load_training_run(cfg.ckpt_path)
-    datamodule, model, trainer = build_from_checkpoint(cfg, run, data_for(cfg, run, data_keys_given()))
+    data = data_for(cfg, run, data_keys_given())
+    if data.get("generate"):  # the built-in set, of a run from another clone or machine too
+        data.root = shapes.root_for_run(data.root, cfg.paths.data_dir, data.generate)
+    datamodule, model, trainer = build_from_checkpoint(cfg, run, data)
     check_same_classes(datamodule.class_names(), class_names, cfg.ckpt_path)
     if cfg.get("patch_budgets"):
         with explain_collective_failure(trainer):

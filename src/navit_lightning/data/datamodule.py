@@ -124,7 +124,7 @@ class PackedImageDataModule(L.LightningDataModule):
             raise ConfigError(f"data.val_fraction={val_fraction} is the share of images held out: 0 < it < 1")
         if not 0 <= hflip <= 1:
             raise ConfigError(f"data.hflip={hflip} is a probability: 0 <= it <= 1")
-        self.root = Path(root).expanduser()  # data.root=~/images: the shell leaves ~ after = alone
+        self.root = Path(root).expanduser()  # data.root='~/images': neither shell nor Hydra expands it
         self.patch_size = patch_size
         # Training sizes vary (variable resolution, token dropping); evaluation's: see policy.
         self.train_policy = SizePolicy(

@@ -9,13 +9,16 @@ import json
 import math
 import random
 import shutil
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
 
 from navit_lightning.data.workers import map_with_progress
+from navit_lightning.errors import DataError
 
 CLASSES = ("circle", "square", "triangle", "cross", "star", "ring")
 SPLIT_SEED_OFFSET = {"train": 0, "val": 1_000_000, "test": 2_000_000}
@@ -140,3 +143,22 @@ def generate(root: str | Path, spec: ShapesSpec = ShapesSpec(), workers: int = 2
         pass
     marker.write_text(json.dumps(finished))
     return root
+
+
+def root_for_run(run_root: str, data_dir: str, spec: Mapping[str, Any]) -> str:
+    """Where eval.py reads a run's built-in set (`spec`, its data.generate): the run's own
+    folder where it is there; else this machine's data_dir/<its name> (a run from another
+    clone or machine; the same images, from their seed), unless a set of another spec is
+    there, which making this one would replace under whatever reads it."""
+    if Path(run_root).expanduser().is_dir():
+        return run_root
+    here = Path(data_dir) / Path(run_root).name
+    marker = here / DONE_MARKER
+    if marker.exists():
+        made = {key: value for key, value in json.loads(marker.read_text()).items() if key != "generator"}
+        if made != {key: value for key, value in spec.items() if key != "_target_"}:
+            raise DataError(
+                f"the run's built-in data ({run_root}) is not on this machine, and {here} holds "
+                "another set: set paths.data_dir to a folder where eval.py may make the run's"
+            )
+    return str(here)

@@ -272,14 +272,14 @@ def data_for(cfg: DictConfig, run: DictConfig, given: Collection[str] = ()) -> D
     else:  # eval.yaml's and predict.yaml's data.* settings are null unless given
         chosen = {key: value for key, value in data.items() if value is not None}
     merged = OmegaConf.merge(run.data, chosen)
-    if "root" in chosen and Path(chosen["root"]).resolve() != Path(run.data.root).resolve():
+    if "root" in chosen and not same_folder(chosen["root"], run.data.root):
         # a folder the run did not train on: all its images are evaluated, none held out
         merged.evaluate_all = True
-    if merged.get("generate") and "root" not in chosen and not Path(merged.root).is_dir():
-        # the built-in set of a run in another clone or on another machine: made here, in this
-        # paths.data_dir (the same images: they follow their seed), not at the run's path
-        merged.root = str(Path(cfg.paths.data_dir) / Path(merged.root).name)
     return merged
+
+
+def same_folder(one: str, other: str) -> bool:
+    return Path(one).expanduser().resolve() == Path(other).expanduser().resolve()
 
 
 def data_keys_given() -> set[str]:
