@@ -80,7 +80,8 @@ def test_mlflow_logger_keeps_runs_in_one_local_database(run_entry_point):
 
 
 def test_wandb_logger_writes_an_offline_run_into_each_jobs_folder(run_entry_point, tmp_path_factory):
-    """Lightning leaves a W&B run open: a sweep's second job logged into the first's."""
+    """Lightning leaves a W&B run open: a sweep's next job logged into the last one's, after
+    a job that ended and after one that failed."""
     pytest.importorskip("wandb")
     home = tmp_path_factory.mktemp("wandb_home")
     env = {
@@ -91,15 +92,18 @@ def test_wandb_logger_writes_an_offline_run_into_each_jobs_folder(run_entry_poin
         "WANDB_CACHE_DIR": str(home / "cache"),
         "WANDB_DATA_DIR": str(home / "data"),
     }
-    run_entry_point("train.py", "-m", "logger=wandb", "seed=1,2", *TINY_RUN, "patch_budgets=null", env=env)
+    # job 0 fails after its run started (train=false without a checkpoint), 1 and 2 train
+    sweep_overrides = ["-m", "logger=wandb", "train=false,true,true", "ckpt_path=last", "patch_budgets=null"]
+    result = run_entry_point("train.py", *sweep_overrides, *TINY_RUN, env=env, check=False)
+    assert result.returncode == 1, result.stderr[-3000:]
     root = run_entry_point.root
     (sweep,) = (root / "logs" / "train" / "multiruns").iterdir()
-    for job in ("0", "1"):
+    for job in ("0", "1", "2"):
         (offline,) = (sweep / job / "wandb").glob("offline-run-*")
         (history,) = offline.glob("run-*.wandb")
         # wandb's binary record log names each metric it holds
         records = history.read_bytes()
-        assert b"train/loss_step" in records and b"val/acc" in records
+        assert (b"train/loss_step" in records and b"val/acc" in records) is (job != "0")
     assert sorted(path.name for path in root.iterdir()) == ["data", "logs"]
 
 

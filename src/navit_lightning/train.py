@@ -21,7 +21,7 @@ from navit_lightning.utils.callbacks import StoreRunConfig
 from navit_lightning.utils.checkpoints import check_resumable, load_initial_weights, read_checkpoint
 from navit_lightning.utils.entry_point import launch, log_config, run_task
 from navit_lightning.utils.instantiate import instantiate_group
-from navit_lightning.utils.loggers import finish_loggers
+from navit_lightning.utils.loggers import finish_loggers, loggers_closed_on_failure
 from navit_lightning.utils.shutdown import StopTogetherOnSigterm, explain_collective_failure
 from navit_lightning.utils.validate import check_launch
 
@@ -91,6 +91,17 @@ def resume_from(ckpt_path: str | None, trainer: L.Trainer) -> str | None:
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit (and optionally test) the model that `cfg` describes; returns the final metrics."""
     datamodule, model, trainer = build(cfg)
+    with loggers_closed_on_failure(trainer):
+        metrics = fit_and_test(cfg, datamodule, model, trainer)
+    final = {name: metrics[source] for name, (source, _) in HP_METRICS.items() if source in metrics}
+    finish_loggers(trainer, final)
+    return metrics
+
+
+def fit_and_test(
+    cfg: DictConfig, datamodule: L.LightningDataModule, model: L.LightningModule, trainer: L.Trainer
+) -> dict[str, float]:
+    """train()'s work between building and closing the loggers."""
     log_config(cfg)
     rank_zero_info(
         f"world size {trainer.world_size} ({trainer.num_nodes} node(s) x {trainer.num_devices} device(s))"
@@ -122,8 +133,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
             results = accuracy_across_budgets(trainer, model, datamodule, budgets, "val", tested)
             title = "val" if tested is None else "val, best checkpoint" if cfg.train else f"val, {tested}"
             report(results, trainer, Path(cfg.paths.output_dir), title)
-    final = {name: metrics[source] for name, (source, _) in HP_METRICS.items() if source in metrics}
-    finish_loggers(trainer, final)
     return metrics
 
 

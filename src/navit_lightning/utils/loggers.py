@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
@@ -35,13 +37,24 @@ class ResumableCSVLogger(CSVLogger):
         return self._experiment
 
 
-def finish_loggers(trainer: L.Trainer, final: dict[str, float]) -> None:
+def finish_loggers(trainer: L.Trainer, final: dict[str, float], status: str = "success") -> None:
     """Log `final` at the last step, then close every logger: a CSV logger writes its file
     here, and a W&B run is finished, which Lightning leaves open (the next job of a sweep, in
     the same process, logged into it and overwrote its config)."""
     for logger in trainer.loggers:
         if final:
             logger.log_metrics(final, step=trainer.global_step)
-        logger.finalize("success")
-        if isinstance(logger, WandbLogger):
-            logger.experiment.finish()  # a no-op stand-in on ranks other than 0
+        logger.finalize(status)
+        if isinstance(logger, WandbLogger):  # a no-op stand-in on ranks other than 0
+            logger.experiment.finish(exit_code=0 if status == "success" else 1)
+
+
+@contextmanager
+def loggers_closed_on_failure(trainer: L.Trainer) -> Iterator[None]:
+    """A job that fails (a refused resume, an error in fit) closes its loggers too: its open
+    W&B run took the sweep's next job."""
+    try:
+        yield
+    except BaseException:
+        finish_loggers(trainer, {}, status="failed")
+        raise
