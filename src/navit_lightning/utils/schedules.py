@@ -52,18 +52,17 @@ class ResumableLambdaLR(LambdaLR):
 def warmup_cosine(
     optimizer: Optimizer, total_steps: int, warmup_steps: int = 100, min_lr_ratio: float = 0.01
 ) -> LambdaLR:
-    """Linear warm-up from 0 to the base rate over warmup_steps (a tenth of the run where
-    that is the whole run), then cosine decay to min_lr_ratio x base.
+    """Linear warm-up from 0 to the base rate over warmup_steps (at most half the run), then
+    cosine decay to min_lr_ratio x base.
     A run resumed with another total (a larger max_epochs) goes on along the new cosine from
     the step it was saved at."""
     if warmup_steps < 0:
         raise ConfigError(f"scheduler.warmup_steps={warmup_steps} must be 0 (no warm-up) or more")
     if not 0 <= min_lr_ratio <= 1:
         raise ConfigError(f"scheduler.min_lr_ratio={min_lr_ratio} is a share of the base rate: 0 <= it <= 1")
-    # A run shorter than its warm-up (a smoke test, a tiny max_steps) would never decay: it
-    # warms up for a tenth of its steps. Any shorter warm-up is taken as given.
-    if warmup_steps >= total_steps:
-        warmup_steps = max(1, total_steps // 10)
+    # At most half the run warms up, so that a short one (a smoke test, a tiny max_steps)
+    # still decays; a shorter warm-up is taken as given.
+    warmup_steps = min(warmup_steps, max(1, total_steps // 2))
 
     def factor(step: int) -> float:
         if step < warmup_steps:
