@@ -153,3 +153,7 @@ def test_callbacks_none_writes_no_checkpoint(run_entry_point):
     ckpt_path=last did not find."""
     run_entry_point("train.py", "callbacks=none", *TINY_RUN, "patch_budgets=null")
     assert not list((run_entry_point.root / "logs").rglob("*.ckpt"))
+    run_entry_point(
+        "train.py", "callbacks=none", "trainer.enable_checkpointing=true", *TINY_RUN, "test=false"
+    )
+    assert list((run_entry_point.root / "logs").rglob("*.ckpt"))  # Lightning's own, when asked for

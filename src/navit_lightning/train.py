@@ -53,9 +53,9 @@ def build(
     loggers = instantiate_group(cfg.get("logger"))
     # Without a checkpoint callback (callbacks=none) Lightning adds one of its own, into the
     # logger's folder, where ckpt_path=last does not look
-    checkpointing = cfg.trainer.get(
-        "enable_checkpointing", any(isinstance(callback, ModelCheckpoint) for callback in callbacks)
-    )
+    checkpointing = cfg.trainer.get("enable_checkpointing")
+    if checkpointing is None:
+        checkpointing = any(isinstance(callback, ModelCheckpoint) for callback in callbacks)
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=callbacks, logger=loggers or False, enable_checkpointing=checkpointing
     )
