@@ -251,12 +251,20 @@ def test_split_folders_are_found_by_their_names_in_any_case_and_a_class_may_be_c
         save(Image.new("RGB", (8, 8)), tmp_path / "nested" / name / "0.png")
     assert PackedImageDataModule(str(tmp_path / "nested")).class_names() == ["invalid", "valid"]
 
-    for name in ("cat", "dog", "test/cat", "test/dog"):
+    for name in ("cat", "dog", "valid/2023", "test/cat", "test/dog"):  # test/ of the classes beside it
         save(Image.new("RGB", (8, 8)), tmp_path / "flat" / name / "0.png")
-    with pytest.raises(
-        DataError, match=r"has test/ but no train/ folder: put the training images in .*/train/<class>/"
-    ):
-        PackedImageDataModule(str(tmp_path / "flat")).class_names()
+    for name in ("val/cat", "val/dog", "test/cat", "test/dog"):  # a split of val/ and test/ alone
+        save(Image.new("RGB", (8, 8)), tmp_path / "no-train" / name / "0.png")
+    for root in ("flat", "no-train"):
+        with pytest.raises(
+            DataError, match=r"/ but no train/ folder: put the training images in .*/train/<class>/"
+        ):
+            PackedImageDataModule(str(tmp_path / root)).class_names()
+    evaluated = PackedImageDataModule(str(tmp_path / "no-train"), evaluate_all=True)
+    assert evaluated.class_names() == ["cat", "dog"]
+    for name in ("Training/apple", "Training/pear", "Test/apple", "Test/pear"):  # Fruits-360
+        save(Image.new("RGB", (8, 8)), tmp_path / "fruits" / name / "0.png")
+    assert PackedImageDataModule(str(tmp_path / "fruits")).class_names() == ["apple", "pear"]
     save(Image.new("RGB", (8, 8)), tmp_path / "export" / "val" / "cat" / "0.png")
     with pytest.raises(DataError, match=r"has 2 val folders \(val, valid\): keep one"):
         PackedImageDataModule(str(tmp_path / "export")).class_names()

@@ -22,7 +22,7 @@ from navit_lightning.utils.checkpoints import (
     load_training_run,
 )
 from navit_lightning.utils.entry_point import launch, run_task
-from navit_lightning.utils.loggers import finish_loggers
+from navit_lightning.utils.loggers import finish_loggers, loggers_closed_on_failure
 from navit_lightning.utils.shutdown import explain_collective_failure
 from navit_lightning.utils.validate import check_launch
 
@@ -38,18 +38,28 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         raise ConfigError(f"split={cfg.split!r} is unknown: use split=val or split=test")
     L.seed_everything(cfg.seed, workers=True)
     run, class_names = load_training_run(cfg.ckpt_path)
-    data = data_for(cfg, run, data_keys_given())
-    if data.get("generate"):  # the built-in set, of a run from another clone or machine too
+    given = data_keys_given()
+    data = data_for(cfg, run, given)
+    if data.get("generate") and "root" not in given:  # the run's built-in set, maybe made elsewhere
         data.root = shapes.root_for_run(data.root, cfg.paths.data_dir, data.generate)
     datamodule, model, trainer = build_from_checkpoint(cfg, run, data)
-    check_same_classes(datamodule.class_names(), class_names, cfg.ckpt_path)
+    with loggers_closed_on_failure(trainer):
+        check_same_classes(datamodule.class_names(), class_names, cfg.ckpt_path)
+        metrics = scores(cfg, datamodule, model, trainer)
+    finish_loggers(trainer, {})
+    return metrics
+
+
+def scores(
+    cfg: DictConfig, datamodule: L.LightningDataModule, model: L.LightningModule, trainer: L.Trainer
+) -> dict[str, float]:
+    """The checkpoint's accuracy on cfg.split, once or at each of cfg.patch_budgets."""
     if cfg.get("patch_budgets"):
         with explain_collective_failure(trainer):
             results = accuracy_across_budgets(
                 trainer, model, datamodule, list(cfg.patch_budgets), cfg.split, cfg.ckpt_path
             )
         report(results, trainer, Path(cfg.paths.output_dir), f"{cfg.split}: {Path(cfg.ckpt_path).name}")
-        finish_loggers(trainer, {})
         return {f"{cfg.split}/acc@{result.patch_budget}": result.accuracy for result in results}
     with explain_collective_failure(trainer):
         getattr(trainer, SPLIT_RUNS[cfg.split])(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
@@ -58,7 +68,6 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     rank_zero_info(
         f"{cfg.split} accuracy: {metrics[f'{cfg.split}/acc']:.4f} on {images} images ({cfg.ckpt_path})"
     )
-    finish_loggers(trainer, {})
     return metrics
 
 

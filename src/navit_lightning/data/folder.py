@@ -136,18 +136,23 @@ Unreadable = list[tuple[Path, str]]  # (path, why)
 
 
 # The folders that hold a split of a root's images, by their names in any case.
-SPLIT_NAMES = {"train": ("train",), "val": ("val", "valid", "validation"), "test": ("test",)}
+SPLIT_NAMES = {"train": ("train", "training"), "val": ("val", "valid", "validation"), "test": ("test",)}
 
 
 def split_layout(
-    root: Path, folders: Iterable[str], subfolders: Callable[[str], set[str]], need_train: bool = True
+    root: Path,
+    folders: Iterable[str],
+    subfolders: Callable[[str], set[str]],
+    has_images: Callable[[str], bool],
+    need_train: bool = True,
 ) -> dict[str, str]:
     """Which of root's top-level `folders` holds each split: {"train": "Train", "val":
-    "valid"} where a train folder holds class folders (`subfolders(name)`, their names),
-    else {"train": ""}: root's own class folders, val held out. A folder named after a split
-    that holds images alone is a class (CIFAR-100 has a class "train"). A val/ or test/ of
-    the classes beside it is refused without train/ (it would be a class); without
-    `need_train` (an evaluation), val/ or test/ alone are split folders."""
+    "valid"} where a train folder holds folders (`subfolders(name)`: their names), else
+    {"train": ""}: root's own class folders, val held out. A folder named after a split that
+    holds images alone is a class (CIFAR-100 has a class "train"), and so is a val/ or test/
+    of sub-folders beside other classes (a class's images may lie in folders: valid/2023/).
+    A val/ or test/ without train/ is refused (it would be a class), but where `need_train`
+    is off (an evaluation) it is a split."""
     found: dict[str, list[str]] = {split: [] for split in SPLIT_NAMES}
     nested: dict[str, set[str]] = {}
     for name in folders:
@@ -161,18 +166,20 @@ def split_layout(
             raise DataError(
                 f"image folder {root} has {len(names)} {split} folders ({', '.join(sorted(names))}): keep one"
             )
-    if found["train"]:
-        return {split: names[0] for split, names in found.items() if names}
-    stray = found["val"] + found["test"]
-    others = set(folders) - set(stray)
-    if stray and not others and not need_train:
-        return {split: names[0] for split, names in found.items() if names}
-    if stray and nested[stray[0]] & others:  # test/<class>/ beside <class>/: not a class
+    layout = {split: names[0] for split, names in found.items() if names}
+    if not layout or "train" in layout:
+        return layout or {"train": ""}
+    classes = [name for name in folders if name not in layout.values() and has_images(name)]
+    beside = any(nested[name] & set(classes) for name in layout.values())  # test/cat/ beside cat/
+    if classes and not beside:
+        return {"train": ""}
+    if need_train or beside:
+        stray = next(iter(layout.values()))
         raise DataError(
-            f"image folder {root} has {stray[0]}/ but no train/ folder: put the training images "
-            f"in {root}/train/<class>/"
+            f"image folder {root} has {stray}/ but no train/ folder: put the training images in "
+            f"{root}/train/<class>/"
         )
-    return {"train": ""}
+    return layout
 
 
 def folder_layout(root: Path, need_train: bool = True) -> dict[str, str]:
@@ -184,7 +191,10 @@ def folder_layout(root: Path, need_train: bool = True) -> dict[str, str]:
     def subfolders(name: str) -> set[str]:
         return {path.name for path in (root / name).iterdir() if path.is_dir() and path.name[0] != "."}
 
-    return split_layout(root, folders, subfolders, need_train)
+    def has_images(name: str) -> bool:
+        return next(image_entries(root / name), None) is not None
+
+    return split_layout(root, folders, subfolders, has_images, need_train)
 
 
 def paths_layout(root: Path, paths: list[str], need_train: bool = True) -> dict[str, str]:
@@ -195,7 +205,7 @@ def paths_layout(root: Path, paths: list[str], need_train: bool = True) -> dict[
         if rest:
             inner, _, file = rest.partition("/")
             nested.setdefault(top, set()).update([inner] if file else [])
-    return split_layout(root, nested, nested.__getitem__, need_train)
+    return split_layout(root, nested, nested.__getitem__, nested.__contains__, need_train)
 
 
 def split_images(
