@@ -144,7 +144,7 @@ def test_ddp_on_cpu_with_the_default_callbacks(run_entry_point, strategy, device
 
 def test_early_stopping_stops_every_ddp_rank_after_the_same_epoch(run_entry_point):
     """No val/acc can rise by 2: the first validation sets the best, the second stops."""
-    result = run_entry_point(
+    command = [
         "train.py",
         *TINY_RUN,
         *DDP_TWO_RANKS,
@@ -152,7 +152,8 @@ def test_early_stopping_stops_every_ddp_rank_after_the_same_epoch(run_entry_poin
         "callbacks.early_stopping.patience=1",
         "callbacks.early_stopping.min_delta=2",
         "trainer.max_epochs=4",
-    )
+    ]
+    result = run_entry_point(*command)
     run = only((run_entry_point.root / "logs" / "train" / "runs").iterdir())
     assert_written_once_by_rank_zero(run)
     output = result.stdout + result.stderr
@@ -162,17 +163,7 @@ def test_early_stopping_stops_every_ddp_rank_after_the_same_epoch(run_entry_poin
 
     # the same command again resumes a stopped run: it trained another epoch and stopped again
     steps = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
-    result = run_entry_point(
-        "train.py",
-        *TINY_RUN,
-        *DDP_TWO_RANKS,
-        "callbacks=early_stopping",
-        "callbacks.early_stopping.patience=1",
-        "callbacks.early_stopping.min_delta=2",
-        "trainer.max_epochs=4",
-        "ckpt_path=last",
-        f"hydra.run.dir={run}",
-    )
+    result = run_entry_point(*command, "ckpt_path=last", f"hydra.run.dir={run}")
     assert "it stays stopped" in result.stdout + result.stderr
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == steps
 
