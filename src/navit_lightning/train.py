@@ -18,7 +18,7 @@ from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.errors import ConfigError
 from navit_lightning.resolution import accuracy_across_budgets, budgets_that_fit, report
 from navit_lightning.utils.callbacks import StoreRunConfig
-from navit_lightning.utils.checkpoints import check_resumable, load_initial_weights, read_checkpoint
+from navit_lightning.utils.checkpoints import check_resumable, load_initial_weights
 from navit_lightning.utils.entry_point import launch, log_config, run_task
 from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.loggers import finish_loggers, loggers_closed_on_failure
@@ -112,9 +112,9 @@ def fit_and_test(
     if ckpt_path is not None:
         # train=false evaluates a callbacks=ema checkpoint's weights, its average, as eval.py does
         averaging = not cfg.train or any(isinstance(c, WeightAveraging) for c in trainer.callbacks)
-        check_resumable(model, cfg.model, ckpt_path, averaging, datamodule.class_names())
+        run = check_resumable(model, cfg.model, ckpt_path, averaging, datamodule.class_names())
         if isinstance(datamodule, PackedImageDataModule):  # the run's val split, not this config's
-            datamodule.hold_out_as(read_checkpoint(ckpt_path)["run_config"]["data"])
+            datamodule.hold_out_as(run["data"])
     elif cfg.train and cfg.get("init_from") is not None:
         load_initial_weights(model, cfg.model, cfg.init_from, datamodule.class_names())
     with explain_collective_failure(trainer):

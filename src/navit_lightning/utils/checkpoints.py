@@ -155,8 +155,9 @@ def check_resumable(
     ckpt_path: str | Path,
     averaging: bool,
     class_names: list[str],
-) -> None:
-    """Refused here with one line, before launch: a checkpoint of another network (Lightning
+) -> dict[str, Any]:
+    """The run config the checkpoint at `ckpt_path` holds, once it is one to resume.
+    Refused here with one line, before launch: a checkpoint of another network (Lightning
     would fail in every rank on a page of size mismatches), of other classes (`class_names`:
     the data's; a renamed class folder would shift the labels without a word), and one
     written with callbacks=ema resumed without an averaging callback (Lightning would carry
@@ -175,6 +176,7 @@ def check_resumable(
             f"ckpt_path={ckpt_path} was written with callbacks=ema (its weights are the average): "
             "resume with callbacks=ema, which carries on from the trained weights saved beside it"
         )
+    return checkpoint["run_config"]
 
 
 def load_initial_weights(
