@@ -33,8 +33,13 @@ from navit_lightning.errors import DataError
 log = logging.getLogger(__name__)
 
 
+def folder_names(root: Path) -> list[str]:
+    """root's sub-folders, sorted, hidden ones left out (a macOS zip's __MACOSX/ is not)."""
+    return sorted(path.name for path in root.iterdir() if path.is_dir() and not path.name.startswith("."))
+
+
 def find_classes(root: Path) -> list[str]:
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    classes = folder_names(root)
     if not classes:
         raise DataError(f"image folder {root} has no class sub-folders: put images in {root}/<class>/")
     return classes
@@ -186,15 +191,14 @@ def folder_layout(root: Path, need_train: bool = True) -> dict[str, str]:
     """split_layout of a folder on disk."""
     if not root.is_dir():
         raise DataError(f"image folder {root} does not exist: set data.root to a folder of class sub-folders")
-    folders = [path.name for path in root.iterdir() if path.is_dir() and not path.name.startswith(".")]
 
     def subfolders(name: str) -> set[str]:
-        return {path.name for path in (root / name).iterdir() if path.is_dir() and path.name[0] != "."}
+        return set(folder_names(root / name))
 
     def has_images(name: str) -> bool:
         return next(image_entries(root / name), None) is not None
 
-    return split_layout(root, folders, subfolders, has_images, need_train)
+    return split_layout(root, folder_names(root), subfolders, has_images, need_train)
 
 
 def paths_layout(root: Path, paths: list[str], need_train: bool = True) -> dict[str, str]:

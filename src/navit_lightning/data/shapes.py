@@ -127,8 +127,8 @@ def generate(root: str | Path, spec: ShapesSpec = ShapesSpec(), workers: int = 2
     """Write root/{train,val,test}/<class>/*.{png,jpg} unless a finished copy of this spec is there."""
     root = Path(root)
     marker = root / DONE_MARKER
-    finished = {**asdict(spec), "generator": GENERATOR_VERSION}
-    if marker.exists() and json.loads(marker.read_text()) == finished:
+    finished = finished_marker(spec)
+    if made_here(root) == finished:
         return root
     counts = {"train": spec.num_train, "val": spec.num_val, "test": spec.num_test}
     marker.unlink(missing_ok=True)
@@ -145,6 +145,17 @@ def generate(root: str | Path, spec: ShapesSpec = ShapesSpec(), workers: int = 2
     return root
 
 
+def finished_marker(spec: ShapesSpec) -> dict[str, Any]:
+    """What a finished set of `spec` records in its DONE_MARKER."""
+    return {**asdict(spec), "generator": GENERATOR_VERSION}
+
+
+def made_here(root: Path) -> dict[str, Any] | None:
+    """The DONE_MARKER of the finished set in `root`, if one is."""
+    marker = root / DONE_MARKER
+    return json.loads(marker.read_text()) if marker.exists() else None
+
+
 def root_for_run(run_root: str, data_dir: str, spec: Mapping[str, Any]) -> str:
     """Where eval.py reads a run's built-in set (`spec`, its data.generate): the run's own
     folder where it is there; else this machine's data_dir/<its name> (a run from another
@@ -153,12 +164,11 @@ def root_for_run(run_root: str, data_dir: str, spec: Mapping[str, Any]) -> str:
     if Path(run_root).expanduser().is_dir():
         return run_root
     here = Path(data_dir) / Path(run_root).name
-    marker = here / DONE_MARKER
-    if marker.exists():
-        made = {key: value for key, value in json.loads(marker.read_text()).items() if key != "generator"}
-        if made != {key: value for key, value in spec.items() if key != "_target_"}:
-            raise DataError(
-                f"the run's built-in data ({run_root}) is not on this machine, and {here} holds "
-                "another set: set paths.data_dir to a folder where eval.py may make the run's"
-            )
+    made = made_here(here)
+    wanted = ShapesSpec(**{key: value for key, value in spec.items() if key != "_target_"})
+    if made is not None and made != finished_marker(wanted):  # generate would replace it
+        raise DataError(
+            f"the run's built-in data ({run_root}) is not on this machine, and {here} holds "
+            "another set: set paths.data_dir to a folder where eval.py may make the run's"
+        )
     return str(here)
