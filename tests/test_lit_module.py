@@ -7,6 +7,7 @@ from functools import partial
 import lightning as L
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from navit_lightning.batch import PackedBatch, PackedShape, image_index
 from navit_lightning.data.datamodule import PackedImageDataModule
@@ -167,9 +168,7 @@ def test_the_epoch_loss_and_accuracy_are_means_over_the_images_of_every_rank():
 
 
 def test_throughput_monitor_logs_tokens_and_model_flops(tmp_path):
-    import lightning as L
     from lightning.pytorch.loggers import CSVLogger
-    from torch.utils.data import DataLoader
 
     from navit_lightning.utils.callbacks import PackedThroughputMonitor
 
@@ -197,6 +196,23 @@ def test_throughput_monitor_logs_tokens_and_model_flops(tmp_path):
     # samples are images and items real tokens, both counted on the host
     samples, items = (float(logged[f"train/device/{name}_per_sec"][-1]) for name in ("samples", "items"))
     assert samples / items == pytest.approx(batch.num_images / batch.num_real_tokens)
+
+
+def test_the_monitorable_metrics_are_those_a_fit_leaves_for_the_callbacks():
+    """What train.py lets callbacks.*.monitor name, against what a fit with validation logs."""
+    model, loader = make_model("linear"), DataLoader([make_batch()], batch_size=None)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        log_every_n_steps=1,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, loader, loader)
+    assert set(trainer.callback_metrics) == model.monitorable_metrics()
 
 
 def one_step_trainer(accumulate_grad_batches: int) -> L.Trainer:

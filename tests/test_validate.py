@@ -221,6 +221,10 @@ def test_a_constructor_failing_otherwise_keeps_its_traceback():
         (["model.net.attention=flex"], "model.net.attention=flex cannot train on CPU"),
         (["data.multiprocessing_context=forx"], "data.multiprocessing_context='forx' is unknown: use one of"),
         (["data=imagefolder"], "data.root must be set: add data.root=/path/to/images to the command"),
+        (
+            ["callbacks=early_stopping", "callbacks.early_stopping.monitor=val/accc"],
+            "callbacks.early_stopping.monitor=val/accc is not a metric the model logs: use one of train/acc",
+        ),
     ],
 )
 def test_refusal_is_one_line_and_exit_code_2(run_entry_point, overrides, message):

@@ -19,6 +19,9 @@ from navit_lightning.errors import ConfigError
 from navit_lightning.models import NaViT, build_head
 from navit_lightning.utils.schedules import check_lr_scaling, lr_scale
 
+# Logged at each training step only: the batch's images, and its real tokens' share of its slots.
+TRAIN_STEP_LOGS = ("train/images_per_batch", "train/fill")
+
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer, int], torch.optim.lr_scheduler.LRScheduler]
 
@@ -179,6 +182,13 @@ class NaViTClassifier(L.LightningModule):
             self.metrics[accuracy] = ImageMean().to(self.device)
         return loss, accuracy
 
+    @staticmethod
+    def monitorable_metrics() -> set[str]:
+        """What a callback may monitor: the names a fit leaves in trainer.callback_metrics.
+        Lightning adds _step and _epoch to a metric logged both ways (the training loss)."""
+        means = {f"{stage}/{name}" for stage in ("train", "val") for name in ("loss", "acc")}
+        return means | {"train/loss_step", "train/loss_epoch", "val/acc_best", *TRAIN_STEP_LOGS}
+
     def _step(self, batch: PackedBatch, stage: str, dataloader_idx: int = 0) -> torch.Tensor:
         counts = self._take_counts(batch)
         num_images = counts.images
@@ -206,9 +216,9 @@ class NaViTClassifier(L.LightningModule):
             )
         if stage == "train":
             # host tensors: Lightning would copy a float to the device, a sync every step
-            fill = counts.real_tokens / counts.tokens
-            self.log("train/images_per_batch", torch.tensor(float(num_images)), on_step=True, on_epoch=False)
-            self.log("train/fill", torch.tensor(fill), on_step=True, on_epoch=False)
+            step_logs = (float(num_images), counts.real_tokens / counts.tokens)
+            for name, value in zip(TRAIN_STEP_LOGS, step_logs, strict=True):
+                self.log(name, torch.tensor(value), on_step=True, on_epoch=False)
         return loss
 
     def on_before_batch_transfer(self, batch: PackedBatch, dataloader_idx: int) -> PackedBatch:

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from navit_lightning import CONFIG_DIR
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.errors import ConfigError
+from navit_lightning.lit_module import NaViTClassifier
 from navit_lightning.resolution import accuracy_across_budgets, budgets_that_fit, report
 from navit_lightning.utils.callbacks import StoreRunConfig
 from navit_lightning.utils.checkpoints import check_resumable, load_initial_weights
@@ -23,7 +24,7 @@ from navit_lightning.utils.entry_point import launch, log_config, run_task
 from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.loggers import finish_loggers, loggers_closed_on_failure
 from navit_lightning.utils.shutdown import StopTogetherOnSigterm, explain_collective_failure
-from navit_lightning.utils.validate import check_launch
+from navit_lightning.utils.validate import check_launch, check_monitors
 
 # The run's results beside its settings (TensorBoard's HPARAMS tab): hp/ name -> (metric,
 # the config switch of the stage that gives it). Only those the run gives are declared: the
@@ -43,6 +44,8 @@ def build(
     with open_dict(cfg):
         cfg.model.num_classes = datamodule.num_classes
     model: L.LightningModule = hydra.utils.instantiate(cfg.model)
+    if cfg.train and isinstance(model, NaViTClassifier):  # a module of the user's own lists none
+        check_monitors(cfg.get("callbacks"), model.monitorable_metrics())
     run_config = OmegaConf.to_container(cfg, resolve=True)
     callbacks = [
         *instantiate_group(cfg.get("callbacks")),

@@ -203,6 +203,18 @@ def check_fused_optimizer(cfg: DictConfig) -> None:
         )
 
 
+def check_monitors(callbacks: DictConfig | None, monitorable: set[str]) -> None:
+    """A callback that monitors a metric the model never logs fails after the first
+    validation, an epoch into the run (Lightning's own check)."""
+    for name, settings in (callbacks or {}).items():
+        monitor = (settings or {}).get("monitor")
+        if monitor is not None and monitor not in monitorable:
+            raise ConfigError(
+                f"callbacks.{name}.monitor={monitor} is not a metric the model logs: "
+                f"use one of {', '.join(sorted(monitorable))}"
+            )
+
+
 def check_patch_budgets(budgets: object) -> None:
     if budgets is None:
         return
