@@ -179,6 +179,13 @@ class PackedImageDataModule(L.LightningDataModule):
         split_seed = run_data.get("split_seed")
         self.split_seed = run_data.get("seed", self.seed) if split_seed is None else split_seed
         self.split_by_path = run_data.get("split_by_path", False)
+        val_fraction = run_data.get("val_fraction", self.val_fraction)
+        if val_fraction != self.val_fraction:
+            rank_zero_warn(
+                f"data.val_fraction={self.val_fraction} left aside: the checkpoint's run held out "
+                f"{val_fraction} of its images, and its resume or test holds out the same images"
+            )
+        self.val_fraction = val_fraction
 
     @property
     def num_classes(self) -> int:
