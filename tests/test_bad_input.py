@@ -21,6 +21,8 @@ from navit_lightning.data.transforms import image_to_sample, to_rgb, upright_siz
 from navit_lightning.errors import DataError
 from tests.conftest import TINY_TRAINING
 
+CORRUPT = Path(__file__).parent / "data" / "corrupt"
+
 EXIF_ORIENTATION = 0x0112
 
 
@@ -159,6 +161,24 @@ def test_unreadable_files_are_left_out_at_scan_and_truncated_ones_when_decoded(t
 
     batch = PackCollate(PackedShape(8, 64, 8), 16 * 16 * 3)(samples[: len(names)])
     assert batch.num_images == len(names) - 2
+
+
+def test_files_that_pillows_plugins_fail_on_otherwise_are_skipped_too(tmp_path):
+    """Byte-flipped files (tests/data/corrupt) on which Pillow's AVIF plugin raises
+    RuntimeError, at the header or the frame, and its TIFF plugin TypeError: they ended the
+    scan, the run and predict.py."""
+    root = tmp_path / "images"
+    (root / "a").mkdir(parents=True)
+    for path in CORRUPT.iterdir():
+        (root / "a" / path.name).write_bytes(path.read_bytes())
+    save(Image.new("RGB", (40, 30), (9, 9, 9)), root / "a" / "good.png")
+    images, unreadable = split_images(index_folder(root), root, "", ["a"])
+    assert [Path(path).name for path, _ in unreadable] == ["no_image_item.avif"]
+    dataset = ImageFolder(images, patch_size=16)
+    keys = SizePolicy(patch_size=16, max_patches=64).keys(dataset.sizes, seed=0, epoch=0)
+    decoded = {Path(dataset.images.name(i)).name: dataset[key] for i, key in enumerate(keys.take(np.arange(len(dataset))))}
+    assert {name for name, sample in decoded.items() if sample is None} == {"bad_frame.avif", "bad_rational.tif"}
+    assert decoded["good.png"] is not None and dataset.take_unreadable_count() == 2
 
 
 def test_refused_roots_say_what_to_fix(tmp_path):

@@ -17,6 +17,7 @@ import argparse
 import hashlib
 import logging
 import os
+import struct
 import time
 import zipfile
 from collections.abc import Iterator
@@ -35,8 +36,19 @@ log = logging.getLogger(__name__)
 # Pillow reads them all (.jfif: what browsers on Windows save a JPEG as)
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".jfif", ".jpe", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".avif"}
 IMAGE_SUFFIXES |= {".ppm", ".pgm", ".pbm"}
-# What Pillow raises for a file that is not an image, or not a whole one.
-UNREADABLE = (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError)
+# What Pillow raises for a file that is not an image, or not a whole one; its plugins raise
+# more on a malformed file (byte-flip fuzzing found AVIF's RuntimeError and TIFF's TypeError).
+UNREADABLE = (
+    UnidentifiedImageError,
+    OSError,
+    SyntaxError,
+    ValueError,
+    Image.DecompressionBombError,
+    RuntimeError,
+    TypeError,
+    EOFError,
+    struct.error,
+)
 MANIFEST_NAME = ".navit_manifest.npz"
 # How a file name that is not UTF-8 (an old zip's caf\xe9.jpg) is encoded: back to the bytes
 # it has on disk, as os.fsencode does
