@@ -1,5 +1,8 @@
 import json
+import subprocess
+import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -32,6 +35,41 @@ def test_a_new_spec_replaces_the_old_images(tmp_path):
     shapes.generate(tmp_path, shapes.ShapesSpec(num_train=12, num_val=6, num_test=6), workers=1)
     shapes.generate(tmp_path, shapes.ShapesSpec(num_train=6, num_val=6, num_test=6, seed=1), workers=1)
     assert len([p for p in (tmp_path / "train").rglob("*.*")]) == 6
+
+
+def test_a_folder_of_the_users_own_is_refused_and_left_as_it_was(tmp_path):
+    """data.root=<own folder> without data=imagefolder: its circle/ was deleted, the set
+    written beside the user's classes."""
+    mine = tmp_path / "train" / "circle" / "mine.png"
+    mine.parent.mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(mine)
+    with pytest.raises(DataError, match=f"use data=imagefolder data.root={tmp_path}; for the built-in set"):
+        shapes.generate(tmp_path, TINY, workers=1)
+    files = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
+    assert files == [Path(shapes.LOCK_NAME), mine.relative_to(tmp_path)]
+
+
+def test_an_interrupted_generation_is_finished_by_the_next_run(tmp_path):
+    (tmp_path / shapes.STARTED_MARKER).touch()
+    (tmp_path / "train" / "circle").mkdir(parents=True)
+    (tmp_path / "train" / "circle" / "000000.jpg").write_bytes(b"cut short")
+    shapes.generate(tmp_path, TINY, workers=1)
+    assert len(list(tmp_path.rglob("*.jpg")) + list(tmp_path.rglob("*.png"))) == 18
+    assert not (tmp_path / shapes.STARTED_MARKER).exists()
+
+
+def test_two_processes_generating_one_set_make_it_once(tmp_path):
+    """Sweep jobs on a fresh clone, or nodes on a shared file system: the second crashed on
+    the first's folders, or the first marked a set finished that the second had cut."""
+    code = (
+        "import sys; from navit_lightning.data import shapes; "
+        "shapes.generate(sys.argv[1], shapes.ShapesSpec(num_train=600, num_val=6, num_test=6), workers=1)"
+    )
+    runs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stderr=subprocess.PIPE) for _ in range(2)]
+    errors = [run.communicate(timeout=240)[1].decode() for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], errors
+    images = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.suffix in {".jpg", ".png"})
+    assert len(images) == 612 and (tmp_path / shapes.DONE_MARKER).exists()
 
 
 def test_a_moved_runs_built_in_data_is_read_in_this_data_dir_unless_another_set_is_there(tmp_path):

@@ -6,7 +6,9 @@ folder of real photos."""
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import random
 import shutil
 from collections.abc import Mapping
@@ -15,14 +17,21 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from filelock import FileLock, Timeout
 from PIL import Image, ImageDraw
 
 from navit_lightning.data.workers import map_with_progress
 from navit_lightning.errors import DataError
 
+log = logging.getLogger(__name__)
+
 CLASSES = ("circle", "square", "triangle", "cross", "star", "ring")
 SPLIT_SEED_OFFSET = {"train": 0, "val": 1_000_000, "test": 2_000_000}
 DONE_MARKER = "shapes.json"
+# Beside the set while it is written (a folder with neither marker is not the generator's),
+# and the lock that lets one process write it.
+STARTED_MARKER = ".shapes_started"
+LOCK_NAME = ".shapes.lock"
 # Raised when the same spec draws other images: a finished copy of an older version is redrawn.
 GENERATOR_VERSION = 2
 
@@ -124,14 +133,36 @@ def _write_one(job: tuple[Path, int, int, ShapesSpec]) -> None:
 
 
 def generate(root: str | Path, spec: ShapesSpec = ShapesSpec(), workers: int = 2) -> Path:
-    """Write root/{train,val,test}/<class>/*.{png,jpg} unless a finished copy of this spec is there."""
+    """Write root/{train,val,test}/<class>/*.{png,jpg} unless a finished copy of this spec is
+    there. One process at a time: another (a sweep's job, a node on a shared file system)
+    waits for its set."""
     root = Path(root)
-    marker = root / DONE_MARKER
-    finished = finished_marker(spec)
-    if made_here(root) == finished:
-        return root
-    counts = {"train": spec.num_train, "val": spec.num_val, "test": spec.num_test}
+    root.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(root / LOCK_NAME)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("waiting for another process that is generating the shapes data set in %s", root)
+        lock.acquire()
+    try:
+        if made_here(root) != finished_marker(spec):
+            _write_set(root, spec, workers)
+    finally:
+        lock.release()
+    return root
+
+
+def _write_set(root: Path, spec: ShapesSpec, workers: int) -> None:
+    marker, started = root / DONE_MARKER, root / STARTED_MARKER
+    if not marker.exists() and not started.exists() and set(os.listdir(root)) - {LOCK_NAME}:
+        # a folder of the user's own: its class folders named like shapes would be replaced
+        raise DataError(
+            f"{root} holds files that the built-in data set did not write: to train on them use "
+            f"data=imagefolder data.root={root}; for the built-in set give an empty or new folder"
+        )
+    started.touch()
     marker.unlink(missing_ok=True)
+    counts = {"train": spec.num_train, "val": spec.num_val, "test": spec.num_test}
     jobs = []
     for split, count in counts.items():
         for name in CLASSES:
@@ -141,8 +172,8 @@ def generate(root: str | Path, spec: ShapesSpec = ShapesSpec(), workers: int = 2
         jobs += [(root / split, i, spec.seed + SPLIT_SEED_OFFSET[split] + i, spec) for i in range(count)]
     for _ in map_with_progress(_write_one, jobs, f"Generating the shapes data set in {root}", workers, 64):
         pass
-    marker.write_text(json.dumps(finished))
-    return root
+    marker.write_text(json.dumps(finished_marker(spec)))
+    started.unlink()
 
 
 def finished_marker(spec: ShapesSpec) -> dict[str, Any]:
