@@ -176,7 +176,7 @@ def test_throughput_monitor_logs_tokens_and_model_flops(tmp_path):
     monitor = PackedThroughputMonitor(window_size=2)
     trainer = L.Trainer(
         accelerator="cpu",
-        max_steps=4,
+        max_steps=5,
         log_every_n_steps=1,
         callbacks=[monitor],
         logger=CSVLogger(tmp_path),
@@ -184,7 +184,9 @@ def test_throughput_monitor_logs_tokens_and_model_flops(tmp_path):
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, DataLoader([batch] * 4, batch_size=None))
+    # first a batch whose every image failed to decode: fewer images than batches, which
+    # Lightning's Throughput refused
+    trainer.fit(model, DataLoader([make_batch(images=0)] + [batch] * 4, batch_size=None))
     assert model.flops_per_batch == int(model.net.train_flops(batch)) > 0
     header, *rows = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
     columns = header.split(",")

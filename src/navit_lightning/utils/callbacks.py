@@ -93,6 +93,16 @@ class PackedThroughputMonitor(ThroughputMonitor):
         super().setup(trainer, pl_module, stage)
         self._module = pl_module
 
+    def _update(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, iter_num: int) -> None:
+        # A batch without an image (each of its files undecodable, a rank's filler) would
+        # leave fewer images than batches, which Lightning's Throughput refuses mid-run.
+        if self._module.batch_counts.images:
+            super()._update(trainer, pl_module, batch, iter_num)
+
+    def _compute(self, trainer: L.Trainer, iter_num: int | None = None) -> None:
+        if self._batches.get(trainer.state.stage):  # none yet: Throughput has nothing to compute
+            super()._compute(trainer, iter_num)
+
     def _images(self, batch: Any) -> int:
         return self._module.batch_counts.images
 
