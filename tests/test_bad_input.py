@@ -176,8 +176,14 @@ def test_files_that_pillows_plugins_fail_on_otherwise_are_skipped_too(tmp_path):
     assert [Path(path).name for path, _ in unreadable] == ["no_image_item.avif"]
     dataset = ImageFolder(images, patch_size=16)
     keys = SizePolicy(patch_size=16, max_patches=64).keys(dataset.sizes, seed=0, epoch=0)
-    decoded = {Path(dataset.images.name(i)).name: dataset[key] for i, key in enumerate(keys.take(np.arange(len(dataset))))}
-    assert {name for name, sample in decoded.items() if sample is None} == {"bad_frame.avif", "bad_rational.tif"}
+    decoded = {
+        Path(dataset.images.name(i)).name: dataset[key]
+        for i, key in enumerate(keys.take(np.arange(len(dataset))))
+    }
+    assert {name for name, sample in decoded.items() if sample is None} == {
+        "bad_frame.avif",
+        "bad_rational.tif",
+    }
     assert decoded["good.png"] is not None and dataset.take_unreadable_count() == 2
 
 
@@ -224,6 +230,19 @@ def test_the_class_check_and_the_manifest_take_the_same_files(tmp_path):
     (linked / "dog").mkdir()
     (linked / "dog" / "batch1").symlink_to(stored, target_is_directory=True)
     (linked / "cat" / "up").symlink_to(linked, target_is_directory=True)  # a loop
+    # the same folder by a second path, listed first or last: each path keeps its images
+    # (the first listed took them, and a class could lose them to a link it is not in)
+    (linked / "aaa").symlink_to(linked / "dog", target_is_directory=True)
+    (linked / "zzz").symlink_to(stored, target_is_directory=True)
+    manifest = index_folder(linked)
+    assert sorted(manifest.paths.tolist()) == [
+        "aaa/batch1/1.png",
+        "cat/0.png",
+        "dog/batch1/1.png",
+        "zzz/1.png",
+    ]
+    for link in ("aaa", "zzz"):
+        (linked / link).unlink()
     datamodule = PackedImageDataModule(str(linked), val_fraction=0.5, num_workers=0)
     assert datamodule.class_names() == ["cat", "dog"]
     manifest = index_folder(linked)

@@ -65,7 +65,10 @@ def test_two_processes_generating_one_set_make_it_once(tmp_path):
         "import sys; from navit_lightning.data import shapes; "
         "shapes.generate(sys.argv[1], shapes.ShapesSpec(num_train=600, num_val=6, num_test=6), workers=1)"
     )
-    runs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stderr=subprocess.PIPE) for _ in range(2)]
+    runs = [
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stderr=subprocess.PIPE)
+        for _ in range(2)
+    ]
     errors = [run.communicate(timeout=240)[1].decode() for run in runs]
     assert [run.returncode for run in runs] == [0, 0], errors
     images = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.suffix in {".jpg", ".png"})

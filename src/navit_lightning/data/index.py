@@ -175,11 +175,12 @@ def image_entries(root: Path) -> Iterator[tuple[str, os.DirEntry]]:
     """Every image file under root, as (its path relative to root, its directory entry), in
     no set order: what the manifest, the check of class folders and predict.py take for the
     images. Hidden entries are skipped (a macOS zip's __MACOSX/ holds only ._ files); linked
-    folders are followed, each folder once (a link to a folder above would loop)."""
-    seen = {_folder_id(root)}
-    folders = [(root, "")]
+    folders are followed, but not into a folder they are in (that would loop). A folder reached
+    by two paths gives its images under both: taken once, the first path listed won, and a
+    link beside the splits (left out) could take a class's images away."""
+    folders = [(root, "", frozenset({_folder_id(root)}))]  # and the folders it is in
     while folders:
-        folder, prefix = folders.pop()
+        folder, prefix, above = folders.pop()
         try:
             listing = os.scandir(folder)
         except OSError as error:  # a sub-folder its owner keeps to themselves, a lost+found
@@ -190,9 +191,8 @@ def image_entries(root: Path) -> Iterator[tuple[str, os.DirEntry]]:
                 if entry.name.startswith("."):
                     continue
                 if entry.is_dir():
-                    if (folder_id := _folder_id(entry)) not in seen:
-                        seen.add(folder_id)
-                        folders.append((Path(entry.path), f"{prefix}{entry.name}/"))
+                    if (folder_id := _folder_id(entry)) not in above:
+                        folders.append((Path(entry.path), f"{prefix}{entry.name}/", above | {folder_id}))
                 elif os.path.splitext(entry.name)[1].lower() in IMAGE_SUFFIXES and entry.is_file():
                     yield prefix + entry.name, entry
 
