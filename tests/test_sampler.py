@@ -10,12 +10,20 @@ from navit_lightning.batch import PackedShape
 from navit_lightning.data.folder import mirrored
 from navit_lightning.data.sampler import EpochOrder, PackedBatchSampler, SampleKey, SizePolicy
 from navit_lightning.data.transforms import fit_grid, fit_grids
-from navit_lightning.errors import DataError
+from navit_lightning.errors import ConfigError, DataError
 from tests.test_packing import reference_first_fit_decreasing
 
 SHAPE = PackedShape(rows=4, row_len=64, max_images=8)
 FIXED = SizePolicy(patch_size=8, max_patches=64)
 VARIABLE = SizePolicy(patch_size=8, max_patches=64, min_patches=4, drop_beta=(2.0, 6.0))
+
+
+@pytest.mark.parametrize("beta", [[0, 5], [-1, 2], [2], [1, 2, 3], 2, ["a", 1]])
+def test_a_token_drop_beta_that_is_not_two_positive_shapes_is_refused(beta):
+    """numpy's errors came from setup, with a traceback: `a <= 0`, `beta() takes at least 2
+    positional arguments`."""
+    with pytest.raises(ConfigError, match=r"data.token_drop_beta=.* must be the two positive shapes"):
+        SizePolicy(patch_size=8, max_patches=64, drop_beta=beta)
 
 
 def image_sizes(n: int, seed: int = 0) -> list[tuple[int, int]]:

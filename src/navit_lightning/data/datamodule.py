@@ -132,7 +132,7 @@ class PackedImageDataModule(L.LightningDataModule):
             max_patches,
             min_patches=min_patches,
             drop_rate=token_drop_rate,
-            drop_beta=tuple(token_drop_beta) if token_drop_beta else None,
+            drop_beta=token_drop_beta,
             drop_by_resolution=token_drop_by_resolution,
         )
         # Per device; see process_shape.

@@ -75,6 +75,18 @@ class SizePolicy:
             )
         if not 0.0 <= self.drop_rate < 1.0:
             raise ConfigError(f"data.token_drop_rate={self.drop_rate} must be in [0, 1)")
+        beta = self.drop_beta
+        if beta is not None:
+            if (
+                not isinstance(beta, Sequence)
+                or len(beta) != 2
+                or not all(isinstance(shape, int | float) and shape > 0 for shape in beta)
+            ):
+                raise ConfigError(
+                    f"data.token_drop_beta={beta} must be the two positive shapes (a, b) of a "
+                    "Beta distribution, e.g. data.token_drop_beta=[2,8], or null"
+                )
+            object.__setattr__(self, "drop_beta", tuple(beta))  # frozen: hashed, compared
 
     def keys(self, sizes: np.ndarray, seed: int, epoch: int) -> SampleKeys:
         """Every image's key, in index order; `sizes` is (images, 2) (height, width).
