@@ -249,6 +249,18 @@ def test_the_class_check_and_the_manifest_take_the_same_files(tmp_path):
     assert sorted(manifest.paths.tolist()) == ["cat/0.png", "dog/batch1/1.png"]
 
 
+def test_classes_whose_every_image_is_held_out_are_named(tmp_path):
+    """A class of one image, drawn into val, was never trained on, without a word."""
+    for number in range(8):
+        save(Image.new("RGB", (8, 8), (number, 0, 0)), tmp_path / f"class{number}" / "only.png")
+    datamodule = PackedImageDataModule(str(tmp_path), val_fraction=0.2, split_by_path=True, num_workers=0)
+    with pytest.warns(UserWarning, match="data.val_fraction=0.2 held out every image of") as warned:
+        datamodule.setup("fit")
+    held = sorted(datamodule.class_names()[label] for label in datamodule.datasets["val"].images.labels)
+    named = f"of {', '.join(held)}: the model never trains on them"
+    assert held and any(named in str(warning.message) for warning in warned)
+
+
 def test_a_val_class_that_train_has_not_is_refused(tmp_path):
     """Its images were left out of val without a word."""
     for split, names in (("train", ("cat", "dog")), ("val", ("cat", "dog", "bird"))):

@@ -258,6 +258,13 @@ class PackedImageDataModule(L.LightningDataModule):
             splits["train"], splits["val"] = hold_out(
                 splits["train"], self.val_fraction, self.split_seed, self.split_by_path
             )
+            untrained = np.setdiff1d(splits["val"].labels, splits["train"].labels)
+            if len(untrained):
+                rank_zero_warn(
+                    f"data.val_fraction={self.val_fraction} held out every image of "
+                    f"{', '.join(classes[label] for label in untrained)}: the model never trains on "
+                    "them; give those classes more images, or a val/ folder"
+                )
         for name, images in splits.items():
             if not len(images.labels):
                 raise DataError(f"no readable images for the {name} split under {self.root}")
