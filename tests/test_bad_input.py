@@ -249,13 +249,16 @@ def test_the_class_check_and_the_manifest_take_the_same_files(tmp_path):
     assert sorted(manifest.paths.tolist()) == ["cat/0.png", "dog/batch1/1.png"]
 
 
-def test_classes_whose_every_image_is_held_out_are_named(tmp_path):
+def test_classes_whose_every_image_is_held_out_and_images_in_no_class_are_named(tmp_path):
     """A class of one image, drawn into val, was never trained on, without a word."""
     for number in range(8):
         save(Image.new("RGB", (8, 8), (number, 0, 0)), tmp_path / f"class{number}" / "only.png")
     datamodule = PackedImageDataModule(str(tmp_path), val_fraction=0.2, split_by_path=True, num_workers=0)
+    save(Image.new("RGB", (8, 8)), tmp_path / "stray.png")  # in no class: named, not silently lost
     with pytest.warns(UserWarning, match="data.val_fraction=0.2 held out every image of") as warned:
         datamodule.setup("fit")
+    beside = f"{tmp_path}: left out 1 image(s) beside its class folders (stray.png, ...)"
+    assert any(beside in str(warning.message) for warning in warned)
     held = sorted(datamodule.class_names()[label] for label in datamodule.datasets["val"].images.labels)
     named = f"of {', '.join(held)}: the model never trains on them"
     assert held and any(named in str(warning.message) for warning in warned)
