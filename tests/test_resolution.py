@@ -20,7 +20,11 @@ def accuracy_lines(output: str, split: str) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_training_ends_with_accuracy_across_resolutions_and_eval_py_agrees(run_entry_point):
-    run_entry_point("train.py", *TINY_RUN)
+    """Both in two spawned ranks, as the README runs ddp_spawn: a spawned rank's metric
+    states were shared with the launching process, and the sweep's first budget counted the
+    fit's sanity check and each image twice."""
+    spawned = ["trainer.accelerator=cpu", "trainer.devices=2", "strategy=ddp_spawn"]
+    run_entry_point("train.py", *TINY_RUN, *spawned)
     run = next((run_entry_point.root / "logs" / "train" / "runs").iterdir())
     trained = read_results(run / "resolution_accuracy.csv")
     assert [result.patch_budget for result in trained] == [9, 16, 36, 64]
@@ -32,15 +36,7 @@ def test_training_ends_with_accuracy_across_resolutions_and_eval_py_agrees(run_e
     plain_accuracy = float(re.search(r"val accuracy: ([0-9.]+)", plain.stdout + plain.stderr).group(1))
     # The sweep in two spawned ranks: the same accuracy as one process, and the warnings that
     # eval.py silences stay silent in ranks that start as fresh interpreters.
-    swept = run_entry_point(
-        "eval.py",
-        f"ckpt_path={ckpt}",
-        "split=val",
-        "patch_budgets=[4,36,100]",
-        "trainer.accelerator=cpu",
-        "trainer.devices=2",
-        "strategy=ddp_spawn",
-    )
+    swept = run_entry_point("eval.py", f"ckpt_path={ckpt}", "split=val", "patch_budgets=[9,36,100]", *spawned)
     output = swept.stdout + swept.stderr
     assert "Be aware that when using `ckpt_path`" not in output and "custom batch sampler" not in output
     lines = accuracy_lines(output, "val")
@@ -48,11 +44,15 @@ def test_training_ends_with_accuracy_across_resolutions_and_eval_py_agrees(run_e
         (run_entry_point.root / "logs" / "eval" / "runs").glob("*/resolution_accuracy.csv")
     ).parent
     results = read_results(eval_run / "resolution_accuracy.csv")
-    assert [result.patch_budget for result in results] == list(lines) == [4, 36, 100]
-    # At the training run's data.max_patches (36) the sweep is the plain evaluation.
+    assert [result.patch_budget for result in results] == list(lines) == [9, 36, 100]
+    # At the training run's data.max_patches (36) the sweep is the plain evaluation; the
+    # training run's sweep evaluated the same weights (its one epoch's best is its last).
     assert lines[36] == pytest.approx(plain_accuracy, abs=1e-4)
+    trained_accuracy = {result.patch_budget: result.accuracy for result in trained}
+    for budget in (9, 36):
+        assert lines[budget] == pytest.approx(trained_accuracy[budget], abs=1e-4), budget
     patches = [result.patches_per_image for result in results]
-    assert all(p <= budget for p, budget in zip(patches, [4, 36, 100], strict=True))
+    assert all(p <= budget for p, budget in zip(patches, [9, 36, 100], strict=True))
     assert patches == sorted(patches) and patches[0] < patches[-1]
     assert all(result.images_per_s > 0 for result in results)
 

@@ -154,6 +154,14 @@ class NaViTClassifier(L.LightningModule):
         self._saved_schedule: dict | None = None
 
     def setup(self, stage: str) -> None:
+        # Each stage's metrics start from nothing, in tensors of their own: a ddp_spawn rank
+        # gets its states in memory shared with the other ranks and the launching process
+        # (Lightning un-shares parameters and buffers only), where an earlier stage left its
+        # counts (the first budget of the end-of-fit sweep counted fit's sanity check and
+        # every image twice). A checkpoint's val_acc_best is restored after this.
+        for metric in self.modules():
+            if isinstance(metric, Metric):
+                metric.reset()
         if self.compile and stage == "fit":
             self.net.compile()  # in place: the state_dict keys stay those of the plain network
 
