@@ -42,6 +42,27 @@ def test_a_refused_job_fails_alone_and_the_sweep_runs_the_others(run_entry_point
     assert (sweep / "1" / "checkpoints" / "last.ckpt").is_file()
 
 
+def test_a_ddp_job_that_fails_on_its_ranks_fails_alone(run_entry_point):
+    """Each rank of job 0 fails at its first batch (position tables too short). Lightning's
+    watch over the job's rank 1 outlived the job and killed the sweep's process during job 1."""
+    result = run_entry_point(
+        "train.py",
+        "-m",
+        "model.net.max_grid=2,64",
+        *TINY_RUN,
+        *DDP_TWO_RANKS,
+        "trainer.max_epochs=3",  # job 1 outlasts the watch's 5 s between looks
+        "test=false",
+        "patch_budgets=null",
+        check=False,
+        env={"HYDRA_FULL_ERROR": "0"},
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Error executing job with overrides: ['model.net.max_grid=2'" in result.stderr
+    sweep = next((run_entry_point.root / "logs" / "train" / "multiruns").iterdir())
+    assert (sweep / "1" / "checkpoints" / "last.ckpt").is_file()
+
+
 @pytest.mark.parametrize("ranks", [[], DDP_TWO_RANKS], ids=["one", "ddp"])
 def test_a_three_trial_study_writes_the_best_parameters(run_entry_point, ranks):
     run_entry_point(

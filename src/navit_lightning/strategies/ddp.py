@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import atexit
 import logging.config
+import os
+import subprocess
 import sys
 import warnings
 from collections.abc import Callable
@@ -37,7 +39,9 @@ from unittest import mock
 import torch
 import torch.distributed
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import get_original_cwd, to_absolute_path
+from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
@@ -88,9 +92,36 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
 
 
 class _HydraJobLauncher(subprocess_script._SubprocessScriptLauncher):
+    def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        with mock.patch.object(subprocess_script, "_launch_process_observer", _observe_job_ranks):
+            return super().launch(function, *args, **kwargs)
+
     def _call_children_scripts(self) -> None:
         with mock.patch.object(subprocess_script, "_hydra_subprocess_cmd", hydra_job_command):
             super()._call_children_scripts()
+
+
+class _JobRankObserver(_ChildProcessObserver):
+    """Lightning's watch over ranks 1..: once one fails, it kills them and the launching
+    process, where the run would wait in a collective. In a sweep that process runs the
+    sweep: the watch, outliving its job, killed it during a later job, and the jobs left.
+    There it kills the job's ranks only, and rank 0 fails its job on the lost peer."""
+
+    def __init__(self, child_processes: list[subprocess.Popen], in_sweep: bool) -> None:
+        super().__init__(main_pid=os.getpid(), child_processes=child_processes)
+        self._in_sweep = in_sweep
+
+    def _terminate_all(self) -> None:
+        if not self._in_sweep:
+            super()._terminate_all()
+            return
+        for process in self._child_processes:
+            process.send_signal(self._termination_signal)
+
+
+def _observe_job_ranks(child_processes: list[subprocess.Popen]) -> None:
+    in_sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    _JobRankObserver(child_processes, in_sweep).start()
 
 
 class _HydraLoggingSpawnLauncher(_MultiProcessingLauncher):

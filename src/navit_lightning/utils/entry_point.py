@@ -10,16 +10,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from hydra.core.hydra_config import HydraConfig
-from hydra.errors import CompactHydraException, InstantiationException
-from hydra.types import RunMode
+from hydra.errors import InstantiationException
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
 from navit_lightning.errors import ConfigError, DataError
 from navit_lightning.utils.launch import quiet_rank_overrides
-from navit_lightning.utils.shutdown import end_promptly_on_signals
+from navit_lightning.utils.shutdown import end_promptly_on_signals, job_end
 
 T = TypeVar("T")
 
@@ -75,11 +73,6 @@ def drop_lightning_adverts(record: logging.LogRecord) -> bool:
     return "litlogger" not in message and "litmodels" not in message
 
 
-class JobRefused(CompactHydraException):
-    """A refused job of a sweep: Hydra records it as failed, runs the sweep's other jobs, and
-    at the end names the job and prints this one line (exit code 1)."""
-
-
 @contextmanager
 def refuse_bad_input() -> Iterator[None]:
     """Turn a DataError (bad data.root, a class folder without images, ...), a ConfigError (a
@@ -92,9 +85,7 @@ def refuse_bad_input() -> Iterator[None]:
     except (DataError, ConfigError, InstantiationException) as error:
         message = refusal(error)
         logging.getLogger("navit_lightning").error("error: %s", message)
-        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-            raise JobRefused(message) from None
-        raise SystemExit(2) from None
+        raise job_end(message, 2) from None
 
 
 def refusal(error: Exception) -> str:

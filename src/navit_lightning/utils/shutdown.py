@@ -4,8 +4,8 @@ Two ways a run used to hang for good:
 - A rank waits in a collective that another rank never enters. torch's process-group timeout
   (`trainer.strategy.collective_timeout_s`, configs/strategy/ddp.yaml) turns that wait into an
   error; `explain_collective_failure` turns the error into one line naming the rank and the
-  hook, and exit code 3. Ranks that do not all join in `trainer.strategy.startup_timeout_s`
-  end the same way, with a line that says so.
+  hook, and exit code 3 (in a sweep, a failed job). Ranks that do not all join in
+  `trainer.strategy.startup_timeout_s` end the same way, with a line that says so.
 - A signal is ignored. Python runs a signal handler only between bytecodes of the main
   thread, so a rank blocked in a collective never runs Lightning's SIGTERM handler (which
   forwards the signal to the other ranks), and the parent of ddp_spawn ranks died without
@@ -35,6 +35,9 @@ from typing import Any
 
 import lightning as L
 import torch.distributed
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
+from hydra.types import RunMode
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 log = logging.getLogger("navit_lightning")
@@ -192,6 +195,19 @@ def is_collective_failure(error: BaseException) -> bool:
     )
 
 
+class JobFailed(CompactHydraException):
+    """A job of a sweep that ended with one line: Hydra records it as failed, runs the
+    sweep's other jobs, and at the end names the job and prints the line (exit code 1)."""
+
+
+def job_end(message: str, exit_code: int) -> BaseException:
+    """What ends a job whose error `message` was logged: SystemExit(exit_code); in a sweep
+    (-m) a failed job, where SystemExit would end the sweep at it."""
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        return JobFailed(message)
+    return SystemExit(exit_code)
+
+
 @contextmanager
 def explain_collective_failure(trainer: L.Trainer) -> Iterator[None]:
     """A collective that timed out or lost its peer, or ranks that did not all join, become
@@ -201,13 +217,14 @@ def explain_collective_failure(trainer: L.Trainer) -> Iterator[None]:
     except RuntimeError as error:
         if is_joining_failure(error):
             timeout = getattr(trainer.strategy, "startup_timeout_s", None)
-            log.error(
-                f"error: rank {trainer.global_rank}: the {trainer.world_size} ranks did not all join"
+            message = (
+                f"rank {trainer.global_rank}: the {trainer.world_size} ranks did not all join"
                 + (f" within {timeout:.0f} s" if timeout else "")
                 + f" ({error}): start every node's command with the same trainer.num_nodes, "
                 "MASTER_ADDR and MASTER_PORT, or raise trainer.strategy.startup_timeout_s"
             )
-            raise SystemExit(3) from None
+            log.error(f"error: {message}")
+            raise job_end(message, 3) from None
         if not is_collective_failure(error):
             raise
         message = str(error)
@@ -222,5 +239,6 @@ def explain_collective_failure(trainer: L.Trainer) -> Iterator[None]:
             )
         else:
             why = f"another rank stopped during a collective in {hook} (see its error above)"
-        log.error(f"error: rank {trainer.global_rank}: {why}")
-        raise SystemExit(3) from None
+        message = f"rank {trainer.global_rank}: {why}"
+        log.error(f"error: {message}")
+        raise job_end(message, 3) from None
