@@ -68,6 +68,8 @@ def config(*overrides: str):
         ),
         (0, ["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0 must be 1"),
         (0, ["trainer.gradient_clip_val=-1"], "a negative bound reverses every gradient"),
+        (0, ["trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch=0 must be 1 or more"),
+        (0, ["data.patch_size=16"], "data.patch_size=16 but model.net.patch_size=8: the data's patches"),
         (0, ["optimizer.lr=-1"], "optimizer: Invalid learning rate: -1"),
         (0, ["+optimizer.momentum=0.9"], "optimizer: AdamW.__init__() got an unexpected keyword argument"),
         (0, ["scheduler.warmup_steps=-1"], "scheduler.warmup_steps=-1 must be 0 (no warm-up) or more"),
@@ -184,6 +186,13 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_about(monkeypatch, re
         (["model.net.pool=max"], "model.net.pool='max' is unknown: use one of ['attention', 'mean']"),
         (["trainer.num_nodes=0"], "trainer: `num_nodes` must be a positive integer, but got 0."),
         (["+trainer.epochs=3"], "trainer: Trainer.__init__() got an unexpected keyword argument 'epochs'"),
+        (["model.net.depth=0"], "model.net.depth=0 must be above 0"),
+        (["+model.net.dpeth=2"], "model.net: NaViT.__init__() got an unexpected keyword argument 'dpeth'"),
+        (
+            ["callbacks.resume_checkpoint.every_n_train_steps=500"],
+            "callbacks.resume_checkpoint: Combination of parameters every_n_train_steps=500, "
+            "every_n_epochs=0 and train_time_interval=0:10:00 should be mutually exclusive.",
+        ),
     ],
 )
 def test_a_constructor_refusing_a_setting_says_which_in_one_line(overrides, message, tmp_path):
@@ -191,7 +200,7 @@ def test_a_constructor_refusing_a_setting_says_which_in_one_line(overrides, mess
     them, before any other process starts: the entry points print refusal()'s line."""
     group = overrides[0].lstrip("+").split(".")[0]
     cfg = config(*overrides, f"paths.output_dir={tmp_path}")
-    node = cfg.model.net if group == "model" else cfg[group]
+    node = {"model": cfg.model.net, "callbacks": cfg.callbacks.resume_checkpoint}.get(group, cfg[group])
     with pytest.raises(InstantiationException) as raised:
         hydra.utils.instantiate(node)
     assert refusal(raised.value) == message

@@ -105,6 +105,7 @@ class NaViT(nn.Module):
             patch_size=patch_size,
             channels=channels,
             dim=dim,
+            depth=depth,
             heads=heads,
             mlp_ratio=mlp_ratio,
             max_grid=max_grid,

@@ -95,9 +95,16 @@ def refusal(error: Exception) -> str:
     cause = error.__cause__
     if isinstance(cause, (DataError, ConfigError)):
         return str(cause)
-    # The Trainer's constructor (and its strategy's, ...) only checks its arguments.
     key = re.search(r"^full_key: (\S+)", str(error), re.MULTILINE)
-    trainer = key is not None and key[1].split(".")[0] == "trainer"
-    if trainer and isinstance(cause, (MisconfigurationException, TypeError, ValueError)):
+    if key is None:
+        raise error
+    # Lightning's refusals of arguments (a callback's too), a keyword no constructor takes
+    # (+data.rowz=3), and whatever the Trainer's constructor raises: it only checks them.
+    trainer = key[1].split(".")[0] == "trainer"
+    if (
+        isinstance(cause, MisconfigurationException)
+        or (isinstance(cause, TypeError) and "unexpected keyword argument" in str(cause))
+        or (trainer and isinstance(cause, (TypeError, ValueError)))
+    ):
         return f"{key[1]}: {cause}"
     raise error

@@ -106,6 +106,11 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
         check_fused_optimizer(cfg)
         check_attention(cfg.model.net.attention, on_gpu, str(trainer.precision))
         check_lr_scaling(cfg.model.get("lr_scaling"), cfg.model.get("lr_reference_tokens", 1))
+        if cfg.data.get("patch_size", cfg.model.net.patch_size) != cfg.model.net.patch_size:
+            raise ConfigError(
+                f"data.patch_size={cfg.data.patch_size} but model.net.patch_size={cfg.model.net.patch_size}: "
+                "the data's patches are the network's; set model.net.patch_size alone"
+            )
         if cfg.model.net.get("channels", 3) != 3:
             raise ConfigError(
                 f"model.net.channels={cfg.model.net.channels}: the data module gives RGB patches "
@@ -159,6 +164,12 @@ def check_training_numbers(trainer: DictConfig) -> None:
         raise ConfigError(
             "trainer.precision=16-true trains float16 weights without loss scaling (AdamW's eps "
             "underflows: NaN after the first step): use 16-mixed on a GPU, or bf16-mixed"
+        )
+    every = trainer.get("check_val_every_n_epoch")
+    if every is not None and (not isinstance(every, int) or every < 1):
+        raise ConfigError(
+            f"trainer.check_val_every_n_epoch={every} must be 1 or more (validate every N epochs), "
+            "or null with an integer trainer.val_check_interval (every N steps)"
         )
     clip = trainer.get("gradient_clip_val")
     if clip is not None and clip < 0:
