@@ -5,14 +5,17 @@ import shutil
 import sys
 
 import hydra
+import lightning as L
 import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping
+from torch.utils.data import DataLoader
 
 from navit_lightning.utils.callbacks import StopEarly
 from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, logged_scalars
 from tests.test_configs import compose_train
+from tests.test_lit_module import make_batch, make_model
 
 pytestmark = pytest.mark.slow
 
@@ -187,6 +190,24 @@ def test_a_resumed_early_stop_takes_the_commands_patience_and_older_checkpoints_
     trainer = Trainer()
     StopEarly(monitor="val/acc", mode="max", patience=0).on_train_start(trainer, None)
     assert trainer.should_stop is False
+
+
+def test_early_stopping_lets_a_fit_end_before_its_first_validation():
+    """trainer.max_steps inside the first epoch: the check at its end failed the run with
+    "Early stopping conditioned on metric val/acc which is not available"."""
+    model, batches = make_model("linear"), DataLoader([make_batch()] * 3, batch_size=None)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        callbacks=[StopEarly(monitor="val/acc", mode="max")],
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, batches, batches)
+    assert trainer.global_step == 2 and "val/acc" not in trainer.callback_metrics
 
 
 def test_ema_weights_are_saved_and_tested_as_eval_py_tests_them(run_entry_point):

@@ -214,6 +214,13 @@ class StopEarly(EarlyStopping):
         super().load_state_dict(state_dict)
         self.patience = patience
 
+    def _run_early_stopping_check(self, trainer: L.Trainer) -> None:
+        # A fit that trainer.max_steps ends inside its first epoch has not validated: the
+        # check at that epoch's end failed the run for want of val/acc (train.py refuses a
+        # monitor that the model never logs).
+        if self.monitor in trainer.callback_metrics:
+            super()._run_early_stopping_check(trainer)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if 0 < self.wait_count >= self.patience:  # every rank loaded the same counts
             trainer.should_stop = True
