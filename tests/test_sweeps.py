@@ -42,6 +42,25 @@ def test_a_refused_job_fails_alone_and_the_sweep_runs_the_others(run_entry_point
     assert (sweep / "1" / "checkpoints" / "last.ckpt").is_file()
 
 
+def test_a_sweep_of_several_devices_without_the_ddp_config_is_refused(run_entry_point):
+    """strategy=auto chose Lightning's ddp launcher: each job's rank 1 ran the whole sweep again
+    in folders of its own and waited for peers for good, while the sweep exited 0."""
+    result = run_entry_point(
+        "train.py",
+        "-m",
+        "seed=1,2",
+        *TINY_RUN,
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        check=False,
+        env={"HYDRA_FULL_ERROR": "0"},
+    )
+    assert result.returncode == 1
+    refused = "trainer.strategy=auto with trainer.devices=2 in a sweep (-m): Lightning's launcher"
+    assert (result.stdout + result.stderr).count(f"error: {refused}") == 2
+    assert len(list((run_entry_point.root / "logs" / "train" / "multiruns").iterdir())) == 1
+
+
 def test_a_ddp_job_that_fails_on_its_ranks_fails_alone(run_entry_point):
     """Each rank of job 0 fails at its first batch (position tables too short). Lightning's
     watch over the job's rank 1 outlived the job and killed the sweep's process during job 1."""

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from lightning.fabric.plugins.environments import (
     LSFEnvironment,
     MPIEnvironment,
@@ -92,6 +94,7 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
         )
     if is_dp(trainer.strategy):
         check_dp(cfg, on_gpu)
+    check_sweep_launch(trainer, gpus if on_gpu else 1)
     check_nodes_can_meet(trainer.num_nodes)
     if trainer.get("reload_dataloaders_every_n_epochs", 1) != 1:
         raise ConfigError(
@@ -260,6 +263,36 @@ def check_strategy_name(strategy: object) -> None:
         return
     options = ", ".join(STRATEGY_OPTIONS)
     raise ConfigError(f"trainer.strategy={strategy} is unknown: use strategy=<one of {options}>")
+
+
+def check_sweep_launch(trainer: DictConfig, visible_devices: int) -> None:
+    """In a sweep (-m), Lightning's own ddp launcher starts ranks 1.. with the sweep's command:
+    each ran the whole sweep again, in folders of its own, and waited for peers that never came
+    (Lightning issue 11300). The strategy config group's ddp starts them as the job."""
+    in_sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    strategy = trainer.strategy
+    if not in_sweep or not isinstance(strategy, str) or any(env.detect() for env in NODE_LAUNCHERS):
+        return
+    if device_count(trainer.devices, visible_devices) > 1 or trainer.num_nodes > 1:
+        raise ConfigError(
+            f"trainer.strategy={strategy} with trainer.devices={trainer.devices} in a sweep (-m): "
+            "Lightning's launcher would start every rank as the whole sweep; use strategy=ddp"
+        )
+
+
+def device_count(devices: object, visible_devices: int) -> int:
+    """How many devices Lightning reads trainer.devices as: a count, -1 or auto (all), a
+    list of indices, or a string of either ("2", "0,1"); 1 for what it would refuse itself."""
+    if devices in (-1, "-1", "auto"):
+        return visible_devices
+    if isinstance(devices, str) and "," in devices:
+        return len([index for index in devices.split(",") if index.strip()])
+    if isinstance(devices, Sequence) and not isinstance(devices, str):
+        return len(devices)
+    try:
+        return int(devices)
+    except (TypeError, ValueError):
+        return 1
 
 
 def is_dp(strategy: object) -> bool:
