@@ -42,6 +42,18 @@ def test_a_refused_job_fails_alone_and_the_sweep_runs_the_others(run_entry_point
     assert (sweep / "1" / "checkpoints" / "last.ckpt").is_file()
 
 
+def test_a_crashed_job_after_a_refused_one_leaves_its_traceback(run_entry_point):
+    """Hydra named the sweep's first failed job alone (job 0, refused): job 1's error was
+    nowhere, its log ending at "Loading train_dataloader"."""
+    result = run_entry_point(
+        "train.py", "-m", *TINY_RUN, "data.rows=0,1.5", check=False, env={"HYDRA_FULL_ERROR": "0"}
+    )
+    assert result.returncode == 1 and "error: data.rows=0 must be above 0" in result.stdout + result.stderr
+    sweep = next((run_entry_point.root / "logs" / "train" / "multiruns").iterdir())
+    log = (sweep / "1" / "train.log").read_text()
+    assert "error: this job failed" in log and "TypeError" in log
+
+
 def test_a_sweep_of_several_devices_without_the_ddp_config_is_refused(run_entry_point):
     """strategy=auto chose Lightning's ddp launcher: each job's rank 1 ran the whole sweep again
     in folders of its own and waited for peers for good, while the sweep exited 0."""

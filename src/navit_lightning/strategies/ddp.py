@@ -29,6 +29,7 @@ import logging.config
 import os
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -39,7 +40,6 @@ from unittest import mock
 import torch
 import torch.distributed
 from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from hydra.utils import get_original_cwd, to_absolute_path
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.pytorch.strategies import DDPStrategy
@@ -51,7 +51,7 @@ from torchmetrics.utilities.prints import rank_zero_only as torchmetrics_rank_ze
 
 import __main__
 from navit_lightning.utils.entry_point import tidy_lightning_output
-from navit_lightning.utils.launch import quiet_overrides
+from navit_lightning.utils.launch import in_sweep, quiet_overrides
 from navit_lightning.utils.shutdown import end_promptly_on_signals
 
 # Hydra settings a rank's command sets below, in place of the parent's (hydra.mode=MULTIRUN
@@ -102,26 +102,29 @@ class _HydraJobLauncher(subprocess_script._SubprocessScriptLauncher):
 
 
 class _JobRankObserver(_ChildProcessObserver):
-    """Lightning's watch over ranks 1..: once one fails, it kills them and the launching
-    process, where the run would wait in a collective. In a sweep that process runs the
-    sweep: the watch, outliving its job, killed it during a later job, and the jobs left.
-    There it kills the job's ranks only, and rank 0 fails its job on the lost peer."""
+    """Lightning's watch over ranks 1..: once one fails, it kills them and, at once, the
+    launching process, rank 0, where it would wait in a collective. Rank 0 now gets
+    `grace_s` to end with its own line first (the lost peer, its own timeout): killed, it
+    said nothing and exited -9. In a sweep the launching process runs the sweep, and the
+    watch, outliving its job, killed it during a later job: there rank 0 is left to fail
+    its job on the lost peer."""
+
+    grace_s = 10.0
 
     def __init__(self, child_processes: list[subprocess.Popen], in_sweep: bool) -> None:
         super().__init__(main_pid=os.getpid(), child_processes=child_processes)
         self._in_sweep = in_sweep
 
     def _terminate_all(self) -> None:
-        if not self._in_sweep:
-            super()._terminate_all()
-            return
         for process in self._child_processes:
             process.send_signal(self._termination_signal)
+        if not self._in_sweep:
+            time.sleep(self.grace_s)  # a daemon thread: gone with the process if it ends
+            os.kill(self._main_pid, self._termination_signal)
 
 
 def _observe_job_ranks(child_processes: list[subprocess.Popen]) -> None:
-    in_sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-    _JobRankObserver(child_processes, in_sweep).start()
+    _JobRankObserver(child_processes, in_sweep()).start()
 
 
 class _HydraLoggingSpawnLauncher(_MultiProcessingLauncher):

@@ -16,8 +16,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
 from navit_lightning.errors import ConfigError, DataError
-from navit_lightning.utils.launch import quiet_rank_overrides
-from navit_lightning.utils.shutdown import end_promptly_on_signals, job_end
+from navit_lightning.utils.launch import in_sweep, quiet_rank_overrides
+from navit_lightning.utils.shutdown import JobFailed, end_promptly_on_signals, job_end
 
 T = TypeVar("T")
 
@@ -86,6 +86,14 @@ def refuse_bad_input() -> Iterator[None]:
         message = refusal(error)
         logging.getLogger("navit_lightning").error("error: %s", message)
         raise job_end(message, 2) from None
+    except JobFailed:  # its line is logged
+        raise
+    except Exception:
+        # Hydra keeps a failed job's error to itself and, at the sweep's end, raises the first
+        # failed job's alone: the others' would be nowhere, in the console or the job's log.
+        if in_sweep():
+            logging.getLogger("navit_lightning").exception("error: this job failed")
+        raise
 
 
 def refusal(error: Exception) -> str:

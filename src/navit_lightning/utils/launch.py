@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, read_write
 
 # Appended to the command line of every process but the first: no second .hydra folder, no
@@ -42,6 +44,11 @@ def external_launch_rank() -> int | None:
     if int(os.environ.get("NODE_RANK", 0)) > 0:
         return int(os.environ["NODE_RANK"])
     return None
+
+
+def in_sweep() -> bool:
+    """Whether this process runs a job of a Hydra sweep (-m): SystemExit would end the sweep."""
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def quiet_rank_overrides() -> list[str]:

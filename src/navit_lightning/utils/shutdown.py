@@ -35,10 +35,10 @@ from typing import Any
 
 import lightning as L
 import torch.distributed
-from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
-from hydra.types import RunMode
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from navit_lightning.utils.launch import in_sweep
 
 log = logging.getLogger("navit_lightning")
 
@@ -203,7 +203,7 @@ class JobFailed(CompactHydraException):
 def job_end(message: str, exit_code: int) -> BaseException:
     """What ends a job whose error `message` was logged: SystemExit(exit_code); in a sweep
     (-m) a failed job, where SystemExit would end the sweep at it."""
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+    if in_sweep():
         return JobFailed(message)
     return SystemExit(exit_code)
 

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import hydra
 import torch
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from lightning.fabric.plugins.environments import (
     LSFEnvironment,
     MPIEnvironment,
@@ -26,6 +24,7 @@ from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError
 from navit_lightning.utils.checkpoints import CKPT_PATH_EXAMPLE, LIGHTNING_CKPT_NAMES, read_checkpoint
 from navit_lightning.utils.instantiate import dotted_settings
+from navit_lightning.utils.launch import in_sweep
 from navit_lightning.utils.schedules import check_lr_scaling
 
 GPU_ACCELERATORS = {"gpu", "cuda"}
@@ -269,9 +268,8 @@ def check_sweep_launch(trainer: DictConfig, visible_devices: int) -> None:
     """In a sweep (-m), Lightning's own ddp launcher starts ranks 1.. with the sweep's command:
     each ran the whole sweep again, in folders of its own, and waited for peers that never came
     (Lightning issue 11300). The strategy config group's ddp starts them as the job."""
-    in_sweep = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     strategy = trainer.strategy
-    if not in_sweep or not isinstance(strategy, str) or any(env.detect() for env in NODE_LAUNCHERS):
+    if not in_sweep() or not isinstance(strategy, str) or any(env.detect() for env in NODE_LAUNCHERS):
         return
     if device_count(trainer.devices, visible_devices) > 1 or trainer.num_nodes > 1:
         raise ConfigError(
