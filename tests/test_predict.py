@@ -116,6 +116,35 @@ def test_a_bad_top_k_or_patch_budget_is_refused_with_one_line(run_entry_point, t
     assert result.returncode == 2 and f"error: {message}" in output and "Traceback" not in output, output
 
 
+def test_a_budget_past_the_position_tables_is_refused_before_any_image(run_entry_point, trained, tmp_path):
+    """A 2000x20 panorama at 400 patches is 200 long, the tables 36: predict.py failed at its
+    batch, no CSV for the other images, naming eval.py's key; eval.py after the budgets before."""
+    for number, name in enumerate(CLASSES):
+        (tmp_path / "in" / name).mkdir(parents=True)
+        Image.new("RGB", (2000, 20) if number == 0 else (40, 40)).save(tmp_path / "in" / name / "0.png")
+    result = run_entry_point(
+        "predict.py", f"ckpt_path={trained}", f"input={tmp_path / 'in'}", "patch_budget=400", check=False
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in output, output[-3000:]
+    assert (
+        "error: at patch_budget=400 an input image is 200 patches long, past model.net.max_grid=36" in output
+    )
+    result = run_entry_point(
+        "eval.py",
+        f"ckpt_path={trained}",
+        "data=imagefolder",
+        f"data.root={tmp_path / 'in'}",
+        "split=val",
+        "patch_budgets=[9,400,16]",
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in output, output[-3000:]
+    assert "error: patch_budgets: at 400 an image of the val split is 200 patches long" in output
+    assert "leave out 400" in output and "val at patch budget" not in output  # none evaluated
+
+
 def test_two_ddp_ranks_predict_what_one_process_does(run_entry_point, trained, tmp_path):
     val = run_entry_point.root / "data" / "shapes" / "val"
     _, alone = predict(run_entry_point, trained, val, tmp_path / "alone")

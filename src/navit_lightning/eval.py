@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from navit_lightning import CONFIG_DIR
 from navit_lightning.data import shapes
 from navit_lightning.errors import ConfigError
-from navit_lightning.resolution import accuracy_across_budgets, report
+from navit_lightning.resolution import accuracy_across_budgets, budgets_past_the_tables, report
 from navit_lightning.utils.checkpoints import (
     build_from_checkpoint,
     check_same_classes,
@@ -55,6 +55,14 @@ def scores(
 ) -> dict[str, float]:
     """The checkpoint's accuracy on cfg.split, once or at each of cfg.patch_budgets."""
     if cfg.get("patch_budgets"):
+        too_long = budgets_past_the_tables(list(cfg.patch_budgets), datamodule, model.net, cfg.split)
+        if too_long:
+            first = next(iter(too_long))
+            raise ConfigError(
+                f"patch_budgets: at {first} an image of the {cfg.split} split is {too_long[first]} patches "
+                f"long, past model.net.max_grid={model.net.pos_embed.max_grid} (the network's position "
+                f"tables): leave out {', '.join(map(str, too_long))}"
+            )
         with explain_collective_failure(trainer):
             results = accuracy_across_budgets(
                 trainer, model, datamodule, list(cfg.patch_budgets), cfg.split, cfg.ckpt_path

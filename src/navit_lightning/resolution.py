@@ -77,20 +77,33 @@ class EvalCounter(L.Callback):
             )
 
 
-def budgets_that_fit(budgets: list[int], datamodule: Any, net: Any, split: str) -> list[int]:
-    """`budgets` but those at which an image of `split` would be longer than the network's
-    absolute position tables (model.net.max_grid), named in a warning: its evaluation would
-    stop at that image, after the whole fit (and under ddp on one rank, which the others
-    wait for). Every rank leaves out the same ones: they come from the data's sizes."""
+# the Trainer stage that sets a split up
+SPLIT_STAGES = {"val": "validate", "test": "test", "predict": "predict"}
+
+
+def budgets_past_the_tables(
+    budgets: list[int | None], datamodule: Any, net: Any, split: str
+) -> dict[int | None, int]:
+    """Of patch `budgets` (None: data.max_patches), those at which an image of `split` would
+    be longer than the network's absolute position tables (model.net.max_grid), each with
+    that image's length in patches: its evaluation would stop at that image (under ddp on
+    one rank, which the others wait for). Every rank finds the same: from the data's sizes."""
     if not budgets or net.pos_embed.fractional:
-        return budgets
-    datamodule.setup("validate")  # after a fit a no-op, but in ddp_spawn's first process
+        return {}
+    datamodule.setup(SPLIT_STAGES[split])  # after a fit a no-op, but in ddp_spawn's first process
     longest = {budget: datamodule.longest_side(split, budget) for budget in budgets}
-    too_long = [budget for budget in budgets if longest[budget] > net.pos_embed.max_grid]
+    return {budget: length for budget, length in longest.items() if length > net.pos_embed.max_grid}
+
+
+def budgets_that_fit(budgets: list[int], datamodule: Any, net: Any, split: str) -> list[int]:
+    """`budgets` but those past the position tables, named in a warning: train.py's sweep
+    after a whole fit leaves them out rather than fail there."""
+    too_long = budgets_past_the_tables(budgets, datamodule, net, split)
     if too_long:
+        first = next(iter(too_long))
         rank_zero_warn(
-            f"patch_budgets {too_long} left out: at {too_long[0]} an image of the {split} split is "
-            f"{longest[too_long[0]]} patches long, past model.net.max_grid={net.pos_embed.max_grid} "
+            f"patch_budgets {list(too_long)} left out: at {first} an image of the {split} split is "
+            f"{too_long[first]} patches long, past model.net.max_grid={net.pos_embed.max_grid} "
             "(the position tables; fractional positions have no such bound)"
         )
     return [budget for budget in budgets if budget not in too_long]

@@ -219,9 +219,12 @@ class PackedImageDataModule(L.LightningDataModule):
         """The image files `predict_dataloader` serves (its stage does not read data.root).
         Their batches carry each image's position in `paths` where others carry its class."""
         self.predict_paths = paths
+        self.datasets.pop("predict", None)
 
     def setup(self, stage: str) -> None:
         if stage == "predict":
+            if "predict" in self.datasets:  # its headers read once, before the budget's check
+                return
             numbered = [(path, number) for number, path in enumerate(self.predict_paths)]
             images, unreadable = images_of_files(numbered, workers=os.cpu_count() or 1)
             warn_unreadable_on_rank_zero(unreadable)
