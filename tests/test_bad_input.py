@@ -197,6 +197,8 @@ def test_refused_roots_say_what_to_fix(tmp_path):
     (tmp_path / "flat").mkdir()
     save(Image.new("RGB", (8, 8)), tmp_path / "flat" / "loose.png")
     assert "has no class sub-folders" in refused(tmp_path / "flat")
+    (tmp_path / "flat" / "shard-000000.tar").write_bytes(b"")  # data=imagefolder on a shard folder
+    assert "(its .tar files: shards of one? read them with data=shards)" in refused(tmp_path / "flat")
     save(Image.new("RGB", (8, 8)), tmp_path / "holey" / "cat" / "1.png")
     (tmp_path / "holey" / "dog").mkdir()
     assert "class folder" in refused(tmp_path / "holey") and "dog holds no images" in refused(

@@ -75,6 +75,7 @@ def config(*overrides: str):
         (0, ["scheduler.warmup_steps=-1"], "scheduler.warmup_steps=-1 must be 0 (no warm-up) or more"),
         (0, ["scheduler.min_lr_ratio=1.5"], "scheduler.min_lr_ratio=1.5 is a share of the base rate"),
         (0, ["init_from=nowhere.ckpt"], "init_from=nowhere.ckpt does not exist: pass a run's checkpoint"),
+        (0, ["init_from=/"], "init_from=/ is a folder: pass a run's checkpoint file"),
         (0, ["train=false"], "train=false tests a checkpoint, the network's weights would be its initial"),
     ],
 )

@@ -41,7 +41,12 @@ def folder_names(root: Path) -> list[str]:
 def find_classes(root: Path) -> list[str]:
     classes = folder_names(root)
     if not classes:
-        raise DataError(f"image folder {root} has no class sub-folders: put images in {root}/<class>/")
+        shards = (
+            " (its .tar files: shards of one? read them with data=shards)" if any(root.glob("*.tar")) else ""
+        )
+        raise DataError(
+            f"image folder {root} has no class sub-folders: put images in {root}/<class>/{shards}"
+        )
     return classes
 
 

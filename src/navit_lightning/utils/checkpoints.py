@@ -114,8 +114,9 @@ def read_checkpoint(ckpt_path: str | Path, key: str = "ckpt_path") -> dict[str, 
     `key`: the setting that named the file, as the line shows it."""
     path = Path(ckpt_path)
     if not path.is_file():
+        what = "is a folder" if path.is_dir() else "does not exist"
         raise ConfigError(
-            f"{key}={path} does not exist: pass a run's checkpoint, e.g. {CKPT_PATH_EXAMPLE}"
+            f"{key}={path} {what}: pass a run's checkpoint file, e.g. {CKPT_PATH_EXAMPLE}"
             + (" (train.py also takes ckpt_path=last)" if key == "ckpt_path" else "")
         )
     try:
