@@ -145,6 +145,21 @@ def test_a_budget_past_the_position_tables_is_refused_before_any_image(run_entry
     assert "leave out 400" in output and "val at patch budget" not in output  # none evaluated
 
 
+def test_eval_takes_the_attention_backend_and_refuses_other_model_settings(run_entry_point, trained):
+    """+model.net.depth=3 was left out without a word: the checkpoint's network was evaluated."""
+    result = run_entry_point("eval.py", f"ckpt_path={trained}", "+model.net.depth=3", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "error: model.net.depth given: eval.py and predict.py build" in output
+
+    def accuracy(*overrides: str) -> float:
+        result = run_entry_point("eval.py", f"ckpt_path={trained}", *overrides)
+        return float(re.search(r"test accuracy: ([0-9.]+)", result.stdout + result.stderr).group(1))
+
+    assert accuracy("+model.net.attention=sdpa") == accuracy("+model.net.attention=segments")
+    result = run_entry_point("eval.py", f"ckpt_path={trained}", "+model.net.attention=bogus", check=False)
+    assert "error: model.net.attention='bogus' is unknown" in result.stdout + result.stderr  # it is applied
+
+
 def test_two_ddp_ranks_predict_what_one_process_does(run_entry_point, trained, tmp_path):
     val = run_entry_point.root / "data" / "shapes" / "val"
     _, alone = predict(run_entry_point, trained, val, tmp_path / "alone")

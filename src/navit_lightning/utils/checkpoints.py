@@ -261,6 +261,12 @@ def check_same_classes(data_names: list[str], run_names: list[str], ckpt_path: s
 SOURCE_SETTINGS = ("_target_", "root", "shards", "generate", "index_dir")
 
 
+# The model settings eval.py and predict.py take from the command line: how the network
+# computes, not what it is (+model.net.attention=sdpa). Any other would be left out, as
+# +model.net.depth=3 was, without a word.
+RUNTIME_MODEL_SETTINGS = {"net.attention"}
+
+
 def data_for(cfg: DictConfig, run: DictConfig, given: Collection[str] = ()) -> DictConfig:
     """eval.py's and predict.py's data: the training run's, with the data.* settings `given`
     on the command line laid over it (data.rows=4, +data.max_images_per_row=8), and with a
@@ -285,12 +291,18 @@ def same_folder(one: str, other: str) -> bool:
     return Path(one).expanduser().resolve() == Path(other).expanduser().resolve()
 
 
-def data_keys_given() -> set[str]:
-    """The data.* keys the command line of this Hydra job sets (data.rows=4, +data.x=1)."""
+def keys_given(group: str) -> set[str]:
+    """What the command line of this Hydra job sets in `group`, as dotted keys below it
+    (data.rows=4, +data.generate.seed=1: rows, generate.seed; data=imagefolder: "")."""
     if not HydraConfig.initialized():
         return set()
     keys = (override.split("=", 1)[0].lstrip("+~") for override in HydraConfig.get().overrides.task)
-    return {key.split(".")[1] for key in keys if key.startswith("data.")}
+    return {key.removeprefix(group).removeprefix(".") for key in keys if key.split(".")[0] == group}
+
+
+def data_keys_given() -> set[str]:
+    """The data.* keys the command line of this Hydra job sets (data.rows=4, +data.x=1)."""
+    return {key.split(".")[0] for key in keys_given("data") if key}
 
 
 def build_from_checkpoint(
@@ -299,8 +311,15 @@ def build_from_checkpoint(
     """For eval.py and predict.py: `data`'s datamodule, the network of the training config
     `run` (the weights come from cfg.ckpt_path when the trainer runs), and a trainer of
     cfg.trainer with cfg's loggers and `callbacks` that writes no checkpoints."""
-    with open_dict(cfg):
-        cfg.model = run.model  # the network must match the weights; data=... refers to it
+    given = keys_given("model")
+    if refused := sorted(given - RUNTIME_MODEL_SETTINGS):
+        named = ", ".join(f"model.{key}" if key else "model" for key in refused)
+        raise ConfigError(
+            f"{named} given: eval.py and predict.py build the network the checkpoint holds, as it "
+            f"trained; of the model settings only {', '.join(sorted(RUNTIME_MODEL_SETTINGS))} may be given"
+        )
+    with open_dict(cfg):  # the network must match the weights; data=... refers to it
+        cfg.model = OmegaConf.merge(run.model, cfg.model) if given else run.model
     datamodule = hydra.utils.instantiate(data)
     model = hydra.utils.instantiate(cfg.model)
     trainer = hydra.utils.instantiate(
