@@ -46,12 +46,18 @@ def test_a_crashed_job_after_a_refused_one_leaves_its_traceback(run_entry_point)
     """Hydra named the sweep's first failed job alone (job 0, refused): job 1's error was
     nowhere, its log ending at "Loading train_dataloader"."""
     result = run_entry_point(
-        "train.py", "-m", *TINY_RUN, "data.rows=0,1.5", check=False, env={"HYDRA_FULL_ERROR": "0"}
+        "train.py",
+        "-m",
+        *TINY_RUN,
+        "data.rows=0,4",
+        "+callbacks.fail._target_=tests.collectives.FailAtTrainStart",
+        check=False,
+        env={"HYDRA_FULL_ERROR": "0"},
     )
-    assert result.returncode == 1 and "error: data.rows=0 must be above 0" in result.stdout + result.stderr
+    assert result.returncode == 1 and "error: data.rows=0 must be" in result.stdout + result.stderr
     sweep = next((run_entry_point.root / "logs" / "train" / "multiruns").iterdir())
     log = (sweep / "1" / "train.log").read_text()
-    assert "error: this job failed" in log and "TypeError" in log
+    assert "error: this job failed" in log and "ZeroDivisionError: a callback of the user's own failed" in log
 
 
 def test_a_sweep_of_several_devices_without_the_ddp_config_is_refused(run_entry_point):

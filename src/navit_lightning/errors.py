@@ -1,6 +1,8 @@
 """Errors that name a bad setting or input and its fix: the entry points print them as one
 line and exit with code 2 (utils/entry_point.refuse_bad_input)."""
 
+from numbers import Integral
+
 
 class ConfigError(ValueError):
     """The config asks for something that cannot run; the message says what to use."""
@@ -16,3 +18,11 @@ def require_positive(prefix: str, **settings: float | None) -> None:
     for name, value in settings.items():
         if value is not None and not value > 0:
             raise ConfigError(f"{prefix}.{name}={value} must be above 0")
+
+
+def require_counts(prefix: str, **settings: int | None) -> None:
+    """require_positive of whole numbers: a count of 1.5 (data.rows=1.5) failed mid-setup
+    with a TypeError from deep inside."""
+    for name, value in settings.items():
+        if value is not None and (not isinstance(value, Integral) or isinstance(value, bool) or value < 1):
+            raise ConfigError(f"{prefix}.{name}={value} must be a whole number above 0")

@@ -35,7 +35,7 @@ from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
 from navit_lightning.data.shards import load_shards, shard_classes
 from navit_lightning.data.transforms import fit_grids
 from navit_lightning.data.workers import exit_with_process, start_context
-from navit_lightning.errors import ConfigError, DataError, require_positive
+from navit_lightning.errors import ConfigError, DataError, require_counts
 
 # Every rank reads the same lists of files: rank zero names the unreadable ones.
 warn_unreadable_on_rank_zero = rank_zero_only(warn_unreadable)
@@ -109,7 +109,7 @@ class PackedImageDataModule(L.LightningDataModule):
         evaluate_all: bool = False,
     ) -> None:
         super().__init__()
-        require_positive(
+        require_counts(
             "data",
             patch_size=patch_size,
             max_patches=max_patches,

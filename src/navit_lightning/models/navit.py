@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from navit_lightning.batch import PackedBatch
-from navit_lightning.errors import ConfigError, require_positive
+from navit_lightning.errors import ConfigError, require_counts, require_positive
 from navit_lightning.models.attention import (
     Attention,
     Backend,
@@ -100,16 +100,16 @@ class NaViT(nn.Module):
         pixel_std: Sequence[float] = (0.5, 0.5, 0.5),
     ) -> None:
         super().__init__()
-        require_positive(
+        require_counts(
             "model.net",
             patch_size=patch_size,
             channels=channels,
             dim=dim,
             depth=depth,
             heads=heads,
-            mlp_ratio=mlp_ratio,
             max_grid=max_grid,
         )
+        require_positive("model.net", mlp_ratio=mlp_ratio)
         self.num_features = dim
         self.patch_dim = patch_size * patch_size * channels
         self.mlp_hidden = int(dim * mlp_ratio)

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from navit_lightning import CONFIG_DIR
-from navit_lightning.errors import ConfigError
+from navit_lightning.errors import ConfigError, require_counts
 from navit_lightning.utils.checkpoints import CKPT_PATH_EXAMPLE, LIGHTNING_CKPT_NAMES, read_checkpoint
 from navit_lightning.utils.instantiate import dotted_settings
 from navit_lightning.utils.launch import in_sweep
@@ -108,6 +108,8 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
         check_fused_optimizer(cfg)
         check_attention(cfg.model.net.attention, on_gpu, str(trainer.precision))
         check_lr_scaling(cfg.model.get("lr_scaling"), cfg.model.get("lr_reference_tokens", 1))
+        # named here: the data module, built first, would name data.patch_size, which follows it
+        require_counts("model.net", patch_size=cfg.model.net.patch_size)
         if cfg.data.get("patch_size", cfg.model.net.patch_size) != cfg.model.net.patch_size:
             raise ConfigError(
                 f"data.patch_size={cfg.data.patch_size} but model.net.patch_size={cfg.model.net.patch_size}: "
