@@ -238,7 +238,7 @@ def explain_collective_failure(trainer: L.Trainer) -> Iterator[None]:
                 "barrier in the same order; see utils/callbacks.py)"
             )
         else:
-            why = f"another rank stopped during a collective in {hook} (see its error above)"
+            why = f"another rank stopped during a collective in {hook} (its error, if it had one, is above)"
         message = f"rank {trainer.global_rank}: {why}"
         log.error(f"error: {message}")
         raise job_end(message, 3) from None
