@@ -49,13 +49,21 @@ def test_a_folder_of_the_users_own_is_refused_and_left_as_it_was(tmp_path):
     assert files == [Path(shapes.LOCK_NAME), mine.relative_to(tmp_path)]
 
 
-def test_an_interrupted_generation_is_finished_by_the_next_run(tmp_path):
-    (tmp_path / shapes.STARTED_MARKER).touch()
+@pytest.mark.parametrize("marked", [True, False], ids=["started-marker", "older-version"])
+def test_an_interrupted_generation_is_finished_by_the_next_run(tmp_path, marked):
+    """An older version wrote no STARTED_MARKER: its cut set holds its own files alone."""
+    if marked:
+        (tmp_path / shapes.STARTED_MARKER).touch()
     (tmp_path / "train" / "circle").mkdir(parents=True)
+    (tmp_path / "val" / "ring").mkdir(parents=True)
     (tmp_path / "train" / "circle" / "000000.jpg").write_bytes(b"cut short")
     shapes.generate(tmp_path, TINY, workers=1)
     assert len(list(tmp_path.rglob("*.jpg")) + list(tmp_path.rglob("*.png"))) == 18
     assert not (tmp_path / shapes.STARTED_MARKER).exists()
+    # a finished set is read without the lock, which a read-only copy could not take
+    (tmp_path / shapes.LOCK_NAME).unlink()
+    shapes.generate(tmp_path, TINY, workers=1)
+    assert not (tmp_path / shapes.LOCK_NAME).exists()
 
 
 def test_two_processes_generating_one_set_make_it_once(tmp_path):

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import random
+import re
 import shutil
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -32,6 +32,7 @@ DONE_MARKER = "shapes.json"
 # and the lock that lets one process write it.
 STARTED_MARKER = ".shapes_started"
 LOCK_NAME = ".shapes.lock"
+GENERATED_NAME = re.compile(r"\d{6}\.(png|jpg)")
 # Raised when the same spec draws other images: a finished copy of an older version is redrawn.
 GENERATOR_VERSION = 2
 
@@ -137,6 +138,8 @@ def generate(root: str | Path, spec: ShapesSpec = ShapesSpec(), workers: int = 2
     there. One process at a time: another (a sweep's job, a node on a shared file system)
     waits for its set."""
     root = Path(root)
+    if made_here(root) == finished_marker(spec):  # no lock: the folder may be read-only
+        return root
     root.mkdir(parents=True, exist_ok=True)
     lock = FileLock(root / LOCK_NAME)
     try:
@@ -154,7 +157,7 @@ def generate(root: str | Path, spec: ShapesSpec = ShapesSpec(), workers: int = 2
 
 def _write_set(root: Path, spec: ShapesSpec, workers: int) -> None:
     marker, started = root / DONE_MARKER, root / STARTED_MARKER
-    if not marker.exists() and not started.exists() and set(os.listdir(root)) - {LOCK_NAME}:
+    if not marker.exists() and not started.exists() and not only_shapes_files(root):
         # a folder of the user's own: its class folders named like shapes would be replaced
         raise DataError(
             f"{root} holds files that the built-in data set did not write: to train on them use "
@@ -174,6 +177,20 @@ def _write_set(root: Path, spec: ShapesSpec, workers: int) -> None:
         pass
     marker.write_text(json.dumps(finished_marker(spec)))
     started.unlink()
+
+
+def only_shapes_files(root: Path) -> bool:
+    """Whether every visible file under root is one of this generator's (split/class/NNNNNN
+    .png or .jpg): a set that a version without STARTED_MARKER began and was interrupted in."""
+    for path in root.rglob("*"):
+        parts = path.relative_to(root).parts
+        if any(part.startswith(".") for part in parts):  # the lock, a manifest
+            continue
+        if parts[0] not in SPLIT_SEED_OFFSET or (len(parts) > 1 and parts[1] not in CLASSES):
+            return False
+        if len(parts) > 2 and not (len(parts) == 3 and GENERATED_NAME.fullmatch(parts[2])):
+            return False
+    return True
 
 
 def finished_marker(spec: ShapesSpec) -> dict[str, Any]:
