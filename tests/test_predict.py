@@ -6,12 +6,14 @@ import io
 import re
 
 import pytest
+import torch
 from PIL import Image
 
 from navit_lightning.data.folder import image_files_under
 from navit_lightning.data.shapes import CLASSES
 from tests.conftest import DDP_TWO_RANKS, TINY_RUN
 from tests.test_bad_input import make_messy_folder
+from tests.test_resolution import accuracy_lines
 
 pytestmark = pytest.mark.slow
 
@@ -143,6 +145,24 @@ def test_a_budget_past_the_position_tables_is_refused_before_any_image(run_entry
     assert result.returncode == 2 and "Traceback" not in output, output[-3000:]
     assert "error: patch_budgets: at 400 an image of the val split is 200 patches long" in output
     assert "leave out 400" in output and "val at patch budget" not in output  # none evaluated
+
+
+def test_eval_makes_a_moved_runs_built_in_set_before_checking_its_budgets(run_entry_point, trained, tmp_path):
+    """The run's data.root gone (another clone): the budgets' check read the set before
+    eval.py had made it in this PROJECT_ROOT's data folder, a FileNotFoundError."""
+    checkpoint = torch.load(trained, map_location="cpu", weights_only=True)
+    checkpoint["run_config"]["data"]["root"] = str(tmp_path / "gone" / "shapes")
+    torch.save(checkpoint, tmp_path / "moved.ckpt")
+    elsewhere = tmp_path / "elsewhere"
+    result = run_entry_point(
+        "eval.py",
+        f"ckpt_path={tmp_path / 'moved.ckpt'}",
+        "split=val",
+        "patch_budgets=[9,36]",
+        env={"PROJECT_ROOT": str(elsewhere)},
+    )
+    assert set(accuracy_lines(result.stdout + result.stderr, "val")) == {9, 36}
+    assert (elsewhere / "data" / "shapes" / "shapes.json").is_file()
 
 
 def test_eval_takes_the_attention_backend_and_refuses_other_model_settings(run_entry_point, trained):

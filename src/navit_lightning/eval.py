@@ -55,6 +55,7 @@ def scores(
 ) -> dict[str, float]:
     """The checkpoint's accuracy on cfg.split, once or at each of cfg.patch_budgets."""
     if cfg.get("patch_budgets"):
+        datamodule.prepare_data()  # the run's built-in set may have to be made here first
         too_long = budgets_past_the_tables(list(cfg.patch_budgets), datamodule, model.net, cfg.split)
         if too_long:
             first = next(iter(too_long))
