@@ -13,6 +13,7 @@ from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError
 from navit_lightning.eval import evaluate
 from navit_lightning.predict import predict
+from navit_lightning.utils import validate
 from navit_lightning.utils.entry_point import refusal
 from navit_lightning.utils.validate import check_launch
 
@@ -134,6 +135,30 @@ def test_eval_and_predict_refuse_what_they_miss(task, overrides, message):
 def test_allowed(monkeypatch, gpus, overrides):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     check_launch(config(*overrides))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refused"),
+    [
+        (["trainer.devices=2"], True),  # auto: Lightning's ddp, ranks started as scripts
+        (["trainer.strategy=ddp", "trainer.devices=2"], True),
+        (["trainer.strategy=ddp_find_unused_parameters_true", "trainer.devices=2"], True),
+        (["strategy=ddp", "trainer.devices=2"], False),  # the config group's: ranks run the job
+        (["trainer.strategy=ddp_spawn", "trainer.devices=2"], False),  # ranks started in-process
+        (["trainer.strategy=ddp_fork", "trainer.devices=2"], False),
+        (["trainer.devices=1"], False),
+    ],
+)
+def test_a_sweep_refuses_ranks_that_would_start_as_the_whole_sweep(monkeypatch, overrides, refused):
+    monkeypatch.setattr(validate, "in_sweep", lambda: True)
+    trainer = config("trainer.accelerator=cpu", *overrides).trainer
+    if refused:
+        with pytest.raises(
+            ConfigError, match=r"in a sweep \(-m\): Lightning's launcher would start every rank"
+        ):
+            validate.check_sweep_launch(trainer, 1)
+    else:
+        validate.check_sweep_launch(trainer, 1)
 
 
 @pytest.mark.parametrize(

@@ -273,6 +273,10 @@ def check_sweep_launch(trainer: DictConfig, visible_devices: int) -> None:
     strategy = trainer.strategy
     if not in_sweep() or not isinstance(strategy, str) or any(env.detect() for env in NODE_LAUNCHERS):
         return
+    # ranks started in-process (ddp_spawn, ddp_fork) run the job itself; the others as scripts
+    registered = StrategyRegistry[strategy]["init_params"] if strategy in StrategyRegistry else {}
+    if registered.get("start_method") in ("spawn", "fork"):
+        return
     if device_count(trainer.devices, visible_devices) > 1 or trainer.num_nodes > 1:
         raise ConfigError(
             f"trainer.strategy={strategy} with trainer.devices={trainer.devices} in a sweep (-m): "
