@@ -44,8 +44,6 @@ def build(
     with open_dict(cfg):
         cfg.model.num_classes = datamodule.num_classes
     model: L.LightningModule = hydra.utils.instantiate(cfg.model)
-    if cfg.train and isinstance(model, NaViTClassifier):  # a module of the user's own lists none
-        check_monitors(cfg.get("callbacks"), model.monitorable_metrics())
     run_config = OmegaConf.to_container(cfg, resolve=True)
     callbacks = [
         *instantiate_group(cfg.get("callbacks")),
@@ -53,6 +51,12 @@ def build(
         StopTogetherOnSigterm(),
         *extra_callbacks,
     ]
+    if cfg.train and isinstance(model, NaViTClassifier):  # a module of the user's own lists none
+        # what the model logs, and the callbacks that say what they log
+        logged = [
+            part.monitorable_metrics() for part in (model, *callbacks) if hasattr(part, "monitorable_metrics")
+        ]
+        check_monitors(cfg.get("callbacks"), set().union(*logged))
     loggers = instantiate_group(cfg.get("logger"))
     # Without a checkpoint callback (callbacks=none) Lightning adds one of its own, into the
     # logger's folder, where ckpt_path=last does not look

@@ -149,6 +149,11 @@ class UnreadableImageReport(L.Callback):
     def __init__(self) -> None:
         self.epoch: dict[str, int] = {}  # the epoch each stage last counted
 
+    @staticmethod
+    def monitorable_metrics() -> set[str]:
+        """What a fit leaves of it for other callbacks to monitor (train.py checks monitors)."""
+        return {"train/unreadable_images", "val/unreadable_images"}
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._count(trainer, pl_module, "train")
 
