@@ -5,7 +5,6 @@ import shutil
 import sys
 
 import hydra
-import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -15,7 +14,7 @@ from torch.utils.data import DataLoader
 from navit_lightning.utils.callbacks import StopEarly
 from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, logged_scalars
 from tests.test_configs import compose_train
-from tests.test_lit_module import make_batch, make_model
+from tests.test_lit_module import bare_trainer, make_batch, make_model
 
 pytestmark = pytest.mark.slow
 
@@ -196,15 +195,8 @@ def test_early_stopping_lets_a_fit_end_before_its_first_validation():
     """trainer.max_steps inside the first epoch: the check at its end failed the run with
     "Early stopping conditioned on metric val/acc which is not available"."""
     model, batches = make_model("linear"), DataLoader([make_batch()] * 3, batch_size=None)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        callbacks=[StopEarly(monitor="val/acc", mode="max")],
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = bare_trainer(
+        max_steps=2, callbacks=[StopEarly(monitor="val/acc", mode="max")], num_sanity_val_steps=0
     )
     trainer.fit(model, batches, batches)
     assert trainer.global_step == 2 and "val/acc" not in trainer.callback_metrics

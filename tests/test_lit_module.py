@@ -3,6 +3,7 @@
 import pickle
 import warnings
 from functools import partial
+from typing import Any
 
 import lightning as L
 import pytest
@@ -203,32 +204,27 @@ def test_throughput_monitor_logs_tokens_and_model_flops(tmp_path):
 def test_the_monitorable_metrics_are_those_a_fit_leaves_for_the_callbacks():
     """What train.py lets callbacks.*.monitor name, against what a fit with validation logs."""
     model, loader = make_model("linear"), DataLoader([make_batch()], batch_size=None)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=1,
-        log_every_n_steps=1,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = bare_trainer(max_epochs=1, log_every_n_steps=1, num_sanity_val_steps=0)
     trainer.fit(model, loader, loader)
     assert set(trainer.callback_metrics) == model.monitorable_metrics()
 
 
-def one_step_trainer(accumulate_grad_batches: int) -> L.Trainer:
-    """One optimizer step over `accumulate_grad_batches` batches on the CPU, nothing else."""
+def bare_trainer(**settings: Any) -> L.Trainer:
+    """A Trainer on the CPU with `settings` and nothing else: no logger, checkpoint, progress
+    bar or summary."""
     return L.Trainer(
         accelerator="cpu",
-        max_steps=1,
-        accumulate_grad_batches=accumulate_grad_batches,
-        limit_val_batches=0,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **settings,
     )
+
+
+def one_step_trainer(accumulate_grad_batches: int) -> L.Trainer:
+    """One optimizer step over `accumulate_grad_batches` batches, without validation."""
+    return bare_trainer(max_steps=1, accumulate_grad_batches=accumulate_grad_batches, limit_val_batches=0)
 
 
 def test_accumulated_batches_make_one_mean_over_the_steps_images(project_root):

@@ -11,6 +11,16 @@ pytestmark = pytest.mark.slow
 PARAMS = ["optimizer.lr", "optimizer.weight_decay", "scheduler.warmup_steps", "data.min_patches"]
 
 
+def run_sweep(run_entry_point, *overrides: str):
+    """train.py -m `overrides`, a failed job's error shown as Hydra shows it to users."""
+    return run_entry_point("train.py", "-m", *overrides, check=False, env={"HYDRA_FULL_ERROR": "0"})
+
+
+def only_sweep(run_entry_point):
+    (folder,) = (run_entry_point.root / "logs" / "train" / "multiruns").iterdir()
+    return folder
+
+
 def study_folder(run_entry_point):
     return run_entry_point.root / "logs" / "train" / "optuna" / "shapes"
 
@@ -22,40 +32,28 @@ def results(run_entry_point) -> dict:
 def test_a_refused_job_fails_alone_and_the_sweep_runs_the_others(run_entry_point):
     """A refusal ended the process (SystemExit) at the job: the jobs after it never ran.
     Hydra now records it as failed, runs the rest, and ends naming it, in one line."""
-    result = run_entry_point(
-        "train.py",
-        "-m",
-        "optimizer.lr=-1,1e-3",
-        *TINY_RUN,
-        "test=false",
-        "patch_budgets=null",
-        check=False,
-        env={"HYDRA_FULL_ERROR": "0"},
-    )
+    result = run_sweep(run_entry_point, "optimizer.lr=-1,1e-3", *TINY_RUN, "test=false", "patch_budgets=null")
     assert result.returncode == 1
     assert (result.stdout + result.stderr).count("error: optimizer: Invalid learning rate: -1") == 1
     end = result.stderr.splitlines()
     failed = next(i for i, line in enumerate(end) if line.startswith("Error executing job with overrides:"))
     assert end[failed].startswith("Error executing job with overrides: ['optimizer.lr=-1'")
     assert end[failed + 1] == "optimizer: Invalid learning rate: -1"  # not a traceback
-    sweep = next((run_entry_point.root / "logs" / "train" / "multiruns").iterdir())
+    sweep = only_sweep(run_entry_point)
     assert (sweep / "1" / "checkpoints" / "last.ckpt").is_file()
 
 
 def test_a_crashed_job_after_a_refused_one_leaves_its_traceback(run_entry_point):
     """Hydra named the sweep's first failed job alone (job 0, refused): job 1's error was
     nowhere, its log ending at "Loading train_dataloader"."""
-    result = run_entry_point(
-        "train.py",
-        "-m",
+    result = run_sweep(
+        run_entry_point,
         *TINY_RUN,
         "data.rows=0,4",
         "+callbacks.fail._target_=tests.collectives.FailAtTrainStart",
-        check=False,
-        env={"HYDRA_FULL_ERROR": "0"},
     )
     assert result.returncode == 1 and "error: data.rows=0 must be" in result.stdout + result.stderr
-    sweep = next((run_entry_point.root / "logs" / "train" / "multiruns").iterdir())
+    sweep = only_sweep(run_entry_point)
     log = (sweep / "1" / "train.log").read_text()
     assert "error: this job failed" in log and "ZeroDivisionError: a callback of the user's own failed" in log
 
@@ -63,40 +61,28 @@ def test_a_crashed_job_after_a_refused_one_leaves_its_traceback(run_entry_point)
 def test_a_sweep_of_several_devices_without_the_ddp_config_is_refused(run_entry_point):
     """strategy=auto chose Lightning's ddp launcher: each job's rank 1 ran the whole sweep again
     in folders of its own and waited for peers for good, while the sweep exited 0."""
-    result = run_entry_point(
-        "train.py",
-        "-m",
-        "seed=1,2",
-        *TINY_RUN,
-        "trainer.accelerator=cpu",
-        "trainer.devices=2",
-        check=False,
-        env={"HYDRA_FULL_ERROR": "0"},
-    )
+    result = run_sweep(run_entry_point, "seed=1,2", *TINY_RUN, "trainer.accelerator=cpu", "trainer.devices=2")
     assert result.returncode == 1
     refused = "trainer.strategy=auto with trainer.devices=2 in a sweep (-m): Lightning's launcher"
     assert (result.stdout + result.stderr).count(f"error: {refused}") == 2
-    assert len(list((run_entry_point.root / "logs" / "train" / "multiruns").iterdir())) == 1
+    only_sweep(run_entry_point)  # the ranks started no sweeps of their own
 
 
 def test_a_ddp_job_that_fails_on_its_ranks_fails_alone(run_entry_point):
     """Each rank of job 0 fails at its first batch (position tables too short). Lightning's
     watch over the job's rank 1 outlived the job and killed the sweep's process during job 1."""
-    result = run_entry_point(
-        "train.py",
-        "-m",
+    result = run_sweep(
+        run_entry_point,
         "model.net.max_grid=2,64",
         *TINY_RUN,
         *DDP_TWO_RANKS,
         "trainer.max_epochs=3",  # job 1 outlasts the watch's 5 s between looks
         "test=false",
         "patch_budgets=null",
-        check=False,
-        env={"HYDRA_FULL_ERROR": "0"},
     )
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Error executing job with overrides: ['model.net.max_grid=2'" in result.stderr
-    sweep = next((run_entry_point.root / "logs" / "train" / "multiruns").iterdir())
+    sweep = only_sweep(run_entry_point)
     assert (sweep / "1" / "checkpoints" / "last.ckpt").is_file()
 
 
