@@ -136,7 +136,7 @@ def test_huge_and_tiny_images_fit_the_patch_budget():
 
 def test_unreadable_files_are_left_out_at_scan_and_truncated_ones_when_decoded(tmp_path, caplog):
     root = make_messy_folder(tmp_path / "images")
-    images, unreadable = split_images(index_folder(root), root, "", ["a", "b"])
+    images, unreadable, _ = split_images(index_folder(root), root, "", ["a", "b"])
     assert not any(path.endswith(".txt") for path in images.paths.tolist())
     with caplog.at_level(logging.WARNING):
         warn_unreadable(unreadable)
@@ -172,7 +172,7 @@ def test_files_that_pillows_plugins_fail_on_otherwise_are_skipped_too(tmp_path):
     for path in CORRUPT.iterdir():
         (root / "a" / path.name).write_bytes(path.read_bytes())
     save(Image.new("RGB", (40, 30), (9, 9, 9)), root / "a" / "good.png")
-    images, unreadable = split_images(index_folder(root), root, "", ["a"])
+    images, unreadable, _ = split_images(index_folder(root), root, "", ["a"])
     assert [Path(path).name for path, _ in unreadable] == ["no_image_item.avif"]
     dataset = ImageFolder(images, patch_size=16)
     keys = SizePolicy(patch_size=16, max_patches=64).keys(dataset.sizes, seed=0, epoch=0)

@@ -239,22 +239,19 @@ class PackedImageDataModule(L.LightningDataModule):
         classes = self.class_names()
         manifest, layout = self._manifest()
         splits = {}
-        paths = manifest.paths.tolist()
         for split, folder in layout.items():
-            prefix = f"{folder}/" if folder else ""
-            loose = [path for path in paths if path.startswith(prefix) and "/" not in path[len(prefix) :]]
+            images, unreadable, loose = split_images(manifest, self.root, folder, classes)
             if loose:
                 rank_zero_warn(
                     f"{self.root / folder}: left out {len(loose)} image(s) beside its class folders "
                     f"({loose[0]}, ...): an image's class is the folder it is in"
                 )
-            images, unreadable = split_images(manifest, self.root, folder, classes)
             warn_unreadable_on_rank_zero(unreadable)
             if unreadable:
                 rank_zero_warn(f"{split}: left out {len(unreadable)} unreadable files (named above)")
             splits[split] = images
         if "" not in layout.values():  # split folders: any others beside them are left out
-            tops = {path.split("/", 1)[0] for path in paths if "/" in path}
+            tops = {path.split("/", 1)[0] for path in manifest.paths.tolist() if "/" in path}
             unused = sorted(tops - {*layout.values()})
             if unused:
                 rank_zero_warn(

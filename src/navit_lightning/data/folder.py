@@ -219,17 +219,21 @@ def paths_layout(root: Path, paths: list[str], need_train: bool = True) -> dict[
 
 def split_images(
     manifest: Manifest, root: Path, folder: str, classes: list[str]
-) -> tuple[Images, Unreadable]:
+) -> tuple[Images, Unreadable, list[str]]:
     """The readable images under root/<folder>/<class>/ (root/<class>/ for folder "") with
-    their classes' labels, and the unreadable ones, from root's manifest (a shard folder's:
-    the paths its images had)."""
+    their classes' labels, the unreadable ones, and the paths of the images beside the class
+    folders (in no class), from root's manifest (a shard folder's: the paths its images had)."""
     prefix = f"{folder}/" if folder else ""
     label_of = {name: label for label, name in enumerate(classes)}
     labels = np.full(len(manifest.paths), -1, dtype=np.int64)
     unknown: set[str] = set()
+    loose: list[str] = []
     for row, path in enumerate(manifest.paths.tolist()):
+        if not path.startswith(prefix):  # another split's
+            continue
         end = path.find("/", len(prefix))
-        if not path.startswith(prefix) or end < 0:  # another split's, or a file beside the classes
+        if end < 0:
+            loose.append(path)
             continue
         label = label_of.get(path[len(prefix) : end])
         if label is None:
@@ -247,7 +251,7 @@ def split_images(
     readable = manifest.readable[rows]
     unreadable = [(root / manifest.paths[row], manifest.reasons[row]) for row in rows[~readable].tolist()]
     everything = Images(root, manifest.paths, labels, manifest.sizes, manifest.spans, manifest.shard_names)
-    return everything.take(rows[readable]), unreadable
+    return everything.take(rows[readable]), unreadable, loose
 
 
 def images_of_files(items: list[tuple[Path, int]], workers: int = 1) -> tuple[Images, Unreadable]:

@@ -58,7 +58,7 @@ def write_shards(
     out.mkdir(parents=True, exist_ok=True)
     rows, shard_names, spans = [], [], []
     for split, split_folder in layout.items():
-        images, unreadable = split_images(manifest, folder, split_folder, classes)
+        images, unreadable, _ = split_images(manifest, folder, split_folder, classes)
         warn_unreadable(unreadable)
         if split == "train":
             check_every_class_readable(images, classes, folder / split_folder)
