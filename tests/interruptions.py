@@ -7,17 +7,23 @@ import lightning as L
 
 
 class InterruptAtStep(L.Callback):
-    """At global step `step`: raise an error on every rank (`how=error`), or on the last rank
-    alone (`how=error_on_last_rank`: one GPU out of memory); send the last rank's process
-    SIGTERM (`how=sigterm`: what a cluster's scheduler sends before it stops a job, and which
-    reaches the ranks at different moments, here the other ranks never); or send every
-    rank's process SIGKILL (`how=sigkill`, a node lost: nothing runs after it)."""
+    """At the start of global step `step`'s batch number `batch` (0, the first; with
+    trainer.accumulate_grad_batches a step has several): raise an error on every rank
+    (`how=error`), or on the last rank alone (`how=error_on_last_rank`: one GPU out of
+    memory); send the last rank's process SIGTERM (`how=sigterm`: what a cluster's scheduler
+    sends before it stops a job, and which reaches the ranks at different moments, here the
+    other ranks never); or send every rank's process SIGKILL (`how=sigkill`, a node lost:
+    nothing runs after it)."""
 
-    def __init__(self, step: int, how: str) -> None:
-        self.step, self.how = step, how
+    def __init__(self, step: int, how: str, batch: int = 0) -> None:
+        self.step, self.how, self.batch = step, how, batch
+        self.batches_seen = 0  # of global step `step`
 
     def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
         if trainer.global_step != self.step:
+            return
+        self.batches_seen += 1
+        if self.batches_seen != self.batch + 1:
             return
         last_rank = trainer.global_rank == trainer.world_size - 1
         if self.how == "error" or (self.how == "error_on_last_rank" and last_rank):

@@ -4,17 +4,21 @@ ckpt_path=last."""
 import re
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import hydra
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loops.progress import _BatchProgress
 from omegaconf import OmegaConf
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError
 from navit_lightning.utils.checkpoints import (
     AtomicCheckpointIO,
+    ResumeCheckpoint,
     check_resumable,
     check_same_classes,
     data_for,
@@ -308,19 +312,25 @@ def test_eval_refuses_a_missing_checkpoint_with_one_line(run_entry_point):
     assert f"error: ckpt_path={missing} does not exist" in refused.stdout + refused.stderr
 
 
-def stop_at_step(run_entry_point, command: list[str], folder: Path, step: int, how: str = "sigkill") -> None:
-    """Run train.py with `command` in `folder` and send it `how` (sigkill, sigterm) at training
-    step `step` (tests/interruptions.py)."""
+STOPPED_EXIT_CODES = {"sigkill": -signal.SIGKILL, "sigterm": 128 + signal.SIGTERM, "error": 1}
+
+
+def stop_at_step(
+    run_entry_point, command: list[str], folder: Path, step: int, how: str = "sigkill", batch: int = 0
+) -> None:
+    """Run train.py with `command` in `folder` and stop it (`how`: sigkill, sigterm, error) at
+    training step `step`'s batch `batch` (tests/interruptions.py)."""
     stopped = run_entry_point(
         "train.py",
         *command,
         f"hydra.run.dir={folder}",
         "+callbacks.interrupt._target_=tests.interruptions.InterruptAtStep",
         f"+callbacks.interrupt.step={step}",
+        f"+callbacks.interrupt.batch={batch}",
         f"+callbacks.interrupt.how={how}",
         check=False,
     )
-    assert stopped.returncode == (-signal.SIGKILL if how == "sigkill" else 128 + signal.SIGTERM)
+    assert stopped.returncode == STOPPED_EXIT_CODES[how], (stopped.stdout + stopped.stderr)[-3000:]
 
 
 def losses_logged_since(folder: Path, events_before: set[Path]) -> list[tuple[int, float]]:
@@ -372,14 +382,61 @@ def test_a_run_stopped_mid_epoch_resumes_exactly(run_entry_point, ranks, how, sa
             assert torch.load(last, weights_only=True)["global_step"] == saved_at
         first_events = set((stopped / "tensorboard").iterdir())
     run_entry_point("train.py", *command, f"hydra.run.dir={stopped}", "ckpt_path=last")
+    assert_resumed_exactly(whole, stopped, first_events, saved_at)
 
+
+def assert_resumed_exactly(whole: Path, stopped: Path, first_events: set[Path], saved_at: int) -> None:
+    """The run in `stopped`, resumed from step `saved_at`, logged the losses of the run never
+    stopped, `whole`, at the same steps from there, and ended with the same weights."""
     resumed = losses_logged_since(stopped, first_events)
     expected = logged_scalars(whole / "tensorboard")["train/loss_step"]
     assert len(expected) >= 4 and resumed == [(step, loss) for step, loss in expected if step >= saved_at]
     ends = [torch.load(run / "checkpoints" / "last.ckpt", weights_only=True) for run in (whole, stopped)]
-    assert ends[0]["global_step"] == ends[1]["global_step"] == len(expected)
+    assert ends[0]["global_step"] == ends[1]["global_step"] == expected[-1][0] + 1
     assert ends[0]["state_dict"].keys() == ends[1]["state_dict"].keys()
     assert all(torch.equal(ends[0]["state_dict"][k], ends[1]["state_dict"][k]) for k in ends[0]["state_dict"])
+
+
+@pytest.mark.slow
+def test_an_error_inside_an_accumulation_window_resumes_from_its_start(run_entry_point):
+    """With trainer.accumulate_grad_batches=2 a step takes two batches, and no checkpoint
+    holds the gradients of the first. An error at step 2's second batch saves last.ckpt as
+    at that step's first batch: resumed, the run replays both (it stepped on the second
+    alone) and logs each later step where the run never stopped does (one too far)."""
+    command = [*TINY_RUN, "trainer.accumulate_grad_batches=2", "test=false", "patch_budgets=null"]
+    whole, stopped = run_entry_point.root / "whole", run_entry_point.root / "stopped"
+    run_entry_point("train.py", *command, f"hydra.run.dir={whole}")
+    stop_at_step(run_entry_point, command, stopped, 2, "error", batch=1)
+    saved = torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 2
+    assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["batches_done"] == 4
+    first_events = set((stopped / "tensorboard").iterdir())
+    run_entry_point("train.py", *command, f"hydra.run.dir={stopped}", "ckpt_path=last")
+    assert_resumed_exactly(whole, stopped, first_events, 2)
+
+
+@pytest.mark.parametrize(("batches", "saved_after"), [(8, [2, 4, 6, 8]), (7, [2, 4, 6, 7])])
+def test_periodic_saves_wait_for_the_end_of_an_accumulation_window(monkeypatch, batches, saved_after):
+    """A save inside a window would resume without its first batches' gradients; the epoch's
+    last window steps however short it is."""
+    progress = _BatchProgress()
+    trainer = SimpleNamespace(
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+        num_training_batches=batches,
+        accumulate_grad_batches=2,
+    )
+    saved = []
+    monkeypatch.setattr(
+        ModelCheckpoint, "on_train_batch_end", lambda *args: saved.append(progress.current.processed)
+    )
+    resume = ResumeCheckpoint("unused", train_time_interval=1)
+    for batch_idx in range(batches):
+        progress.increment_ready()
+        progress.increment_started()
+        progress.increment_processed()
+        resume.on_train_batch_end(trainer, None, None, None, batch_idx)
+        progress.increment_completed()
+    assert saved == saved_after
 
 
 @pytest.mark.slow
@@ -420,3 +477,4 @@ def test_a_run_killed_in_a_later_epoch_resumes_exactly(run_entry_point, rows, fi
         for value in logged_scalars(events).get("val/acc_best", [])
     ]
     assert resumed_best == expected["val/acc_best"][-1:]
+

@@ -76,6 +76,15 @@ class ResumeCheckpoint(ModelCheckpoint):
             enable_version_counter=False,  # a resumed run overwrites last.ckpt, not last-v1.ckpt
         )
 
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Saves wait for the end of an optimizer step's batches: the gradients accumulated in
+        # a window so far are not in a checkpoint, so a resume from inside it would step on the
+        # window's later batches alone. Every rank sees the same batch_idx: its collectives pair.
+        if batches_stepped(trainer) == trainer.fit_loop.epoch_loop.batch_progress.current.processed:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # after the epoch's validation: resuming from here starts the next epoch
         if not self._should_skip_saving_checkpoint(trainer):
@@ -99,6 +108,7 @@ class ResumeCheckpoint(ModelCheckpoint):
             return
         # last.ckpt only: ModelCheckpoint would also write a step-named copy
         if self._should_save_on_exception(trainer):
+            rewind_to_last_step(trainer)
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         # also where it was saved at this step already (an epoch's end, then a signal)
         if self.last_model_path and self._last_global_step_saved == trainer.global_step:
@@ -106,6 +116,31 @@ class ResumeCheckpoint(ModelCheckpoint):
                 f"stopped at step {trainer.global_step} ({type(exception).__name__}): saved "
                 f"{self.last_model_path}, which ckpt_path=last resumes from"
             )
+
+
+def batches_stepped(trainer: L.Trainer) -> int:
+    """This epoch's batches up to its last optimizer step: those processed, less the ones
+    of an accumulation window still open (the epoch's last window steps however short)."""
+    done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+    if done >= trainer.num_training_batches:
+        return done
+    return done - done % trainer.accumulate_grad_batches
+
+
+def rewind_to_last_step(trainer: L.Trainer) -> None:
+    """Counts this epoch's batches after its last optimizer step as never fetched, before a
+    save on a stop: a batch fetched and not finished (a stop at its start or in its step), and
+    an open accumulation window's batches, whose gradients no checkpoint holds. Lightning's
+    resume would count them as done: it would skip them, and log every later step one too
+    far. The weights have not moved since that step, so the resume replays them exactly."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    stepped = batches_stepped(trainer)
+    for field in ("ready", "started", "processed", "completed"):
+        surplus = getattr(progress.current, field) - stepped
+        setattr(progress.current, field, stepped)
+        setattr(progress.total, field, getattr(progress.total, field) - surplus)
+    if stepped < trainer.num_training_batches:
+        progress.is_last_batch = False
 
 
 def read_checkpoint(ckpt_path: str | Path, key: str = "ckpt_path") -> dict[str, Any]:

@@ -165,12 +165,7 @@ class StopTogetherOnSigterm(L.Callback):
         if self._group is not None:
             torch.distributed.all_reduce(signalled, group=self._group)
         if signalled.item():
-            # Lightning has fetched this batch, and starts none of it: counted back, so that
-            # the checkpoint resumes with it as from a stop before the fetch (Lightning's own
-            # resume would count it as done and log every later step one too far).
-            progress = trainer.fit_loop.epoch_loop.batch_progress
-            progress.total.reset_on_restart()
-            progress.current.reset_on_restart()
+            # before this batch's step, which ResumeCheckpoint's save counts back
             raise SIGTERMException(128 + signal.SIGTERM)
 
 
