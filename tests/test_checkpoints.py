@@ -478,3 +478,28 @@ def test_a_run_killed_in_a_later_epoch_resumes_exactly(run_entry_point, rows, fi
     ]
     assert resumed_best == expected["val/acc_best"][-1:]
 
+
+@pytest.mark.slow
+def test_an_epoch_end_resume_with_another_batch_shape_goes_on_along_the_rest_of_its_schedule(run_entry_point):
+    """Resumed at an epoch's end with half the rows, so twice the steps an epoch (as on half
+    the ranks), and one more epoch: the cosine runs from the saved step to the run's new end.
+    Lightning's estimate, two epochs at the new count, put the end 8 steps late; from twice
+    the ranks it put it before the saved step, and the rate sat at its floor."""
+    run = run_entry_point.root / "run"
+    command = [*TINY_RUN, "test=false", "patch_budgets=null", f"hydra.run.dir={run}"]
+    run_entry_point("train.py", *command)
+    saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    run_entry_point("train.py", *command, "ckpt_path=last", "trainer.max_epochs=2", "data.rows=2")
+    rates = logged_scalars(run / "tensorboard")["lr-AdamW/pg1"]
+    resumed = [(step, rate) for step, rate in rates if step >= saved["global_step"]]
+    total = resumed[-1][0] + 1
+    assert len(resumed) > saved["global_step"] + 4  # more steps an epoch than the first
+    config = OmegaConf.load(run / ".hydra" / "config.yaml")
+    optimizer = torch.optim.SGD([torch.zeros(1)], lr=saved["lr_schedulers"][0]["base_lrs"][0])
+    schedule = hydra.utils.instantiate(config.model.scheduler)(optimizer, total)
+    expected = []
+    for _ in range(total):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        schedule.step()
+    assert [rate for _, rate in resumed] == pytest.approx(expected[saved["global_step"] :], rel=1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -24,6 +25,25 @@ TRAIN_STEP_LOGS = ("train/images_per_batch", "train/fill")
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer, int], torch.optim.lr_scheduler.LRScheduler]
+
+
+class ResumePoint(NamedTuple):
+    """Where a checkpoint's run stood: its optimizer steps, its epoch and the batches of it
+    each rank had still to train (0 once the epoch was over)."""
+
+    global_step: int
+    epoch: int
+    batches_left: int
+
+    @classmethod
+    def of(cls, checkpoint: dict) -> ResumePoint | None:
+        """From the training loader's position (data.datamodule.TrainLoader), where it has one."""
+        loaders = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader")
+        position = loaders[0] if loaders else {}
+        if "batches_done" not in position:
+            return None
+        left = max(0, position["batches_per_rank"] - position["batches_done"])
+        return cls(checkpoint["global_step"], position["epoch"], left)
 
 
 def image_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -149,9 +169,11 @@ class NaViTClassifier(L.LightningModule):
         self.flops_per_batch = 0
         # The images of this optimizer step's batches so far, on this rank (see training_step).
         self._step_images = 0
-        # The schedule's length and what it follows (configure_optimizers), and a checkpoint's.
+        # The schedule's length and what it follows (configure_optimizers), and a checkpoint's,
+        # with where that checkpoint's run stood.
         self._schedule: dict | None = None
         self._saved_schedule: dict | None = None
+        self._resumed_at: ResumePoint | None = None
 
     def setup(self, stage: str) -> None:
         # Each stage's metrics start from nothing, in tensors of their own: a ddp_spawn rank
@@ -306,6 +328,7 @@ class NaViTClassifier(L.LightningModule):
         if "val_acc_best" in checkpoint:  # not in checkpoints from before it was kept
             self.val_acc_best.max_value.fill_(checkpoint["val_acc_best"])
         self._saved_schedule = checkpoint.get("schedule")
+        self._resumed_at = ResumePoint.of(checkpoint)
 
     def _schedule_settings(self) -> list:
         """What the schedule's length follows: a resume with other values has another one."""
@@ -330,13 +353,28 @@ class NaViTClassifier(L.LightningModule):
         # anew) had another schedule from there. The run's own length, where its settings are.
         settings = self._schedule_settings()
         saved = self._saved_schedule
-        if saved and saved["settings"] == settings:
-            steps = saved["steps"]
-        else:
-            steps = self.trainer.estimated_stepping_batches
+        steps = saved["steps"] if saved and saved["settings"] == settings else self._schedule_length()
         self._schedule = {"steps": steps, "settings": settings}
         scheduler = self.scheduler_factory(optimizer, steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _schedule_length(self) -> int | float:
+        """The optimizer steps of the whole run: Lightning's estimate for a fresh one. A run
+        resumed with other settings: the steps it made, then those still to come at this
+        run's batches per epoch. Lightning's estimate counts every epoch at this run's: an
+        epoch-end resume on twice the ranks put the end of the cosine at its first step."""
+        trainer = self.trainer
+        estimate = trainer.estimated_stepping_batches
+        resumed = self._resumed_at
+        if resumed is None or trainer.max_epochs == -1 or not math.isfinite(estimate):
+            return estimate
+        steps_per_epoch = math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches)
+        steps = (
+            resumed.global_step
+            + math.ceil(resumed.batches_left / trainer.accumulate_grad_batches)
+            + max(0, trainer.max_epochs - resumed.epoch - 1) * steps_per_epoch
+        )
+        return steps if trainer.max_steps == -1 else min(steps, trainer.max_steps)
 
     def _scale_learning_rate(self, optimizer: torch.optim.Optimizer) -> None:
         """model.lr_scaling: optimizer.lr, tuned at lr_reference_tokens a step, carried to this
