@@ -80,6 +80,28 @@ def test_the_best_val_accuracy_carries_over_a_resume():
     assert resumed.val_acc_best.compute().item() == pytest.approx(0.9)
 
 
+def test_a_resume_takes_the_commands_optimizer_settings_and_keeps_its_rates(caplog):
+    """Lightning loads the saved optimizer's settings over the configured ones: a resume with
+    optimizer.weight_decay=0.5 trained on at 0.05 without a word."""
+    trained = make_model("linear")
+    trained.optimizer_factory = partial(torch.optim.AdamW, lr=5e-4, weight_decay=0.05)
+    checkpoint = {
+        "optimizer_states": [trained.optimizer_factory(params=parameter_groups(trained)).state_dict()]
+    }
+    resumed = make_model("linear")
+    resumed.optimizer_factory = partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.5, betas=[0.5, 0.9])
+    resumed.on_load_checkpoint(checkpoint)
+    groups = checkpoint["optimizer_states"][0]["param_groups"]
+    assert [(g["weight_decay"], g["betas"], g["lr"]) for g in groups] == [
+        (0.5, (0.5, 0.9), 5e-4),
+        (0.0, (0.5, 0.9), 5e-4),
+    ]
+    assert "optimizer settings: betas (0.9, 0.999) -> (0.5, 0.9), weight_decay 0.05 -> 0.5\n" in caplog.text
+    caplog.clear()
+    resumed.on_load_checkpoint(checkpoint)  # the same settings again: nothing to say
+    assert "optimizer settings" not in caplog.text
+
+
 def test_batchnorm_head_counts_only_the_real_images():
     model = make_model("bn_mlp").train()
     batch = make_batch()

@@ -20,6 +20,9 @@ from navit_lightning.errors import ConfigError
 from navit_lightning.models import NaViT, build_head
 from navit_lightning.utils.schedules import check_lr_scaling, lr_scale
 
+# What a resumed optimizer keeps from its checkpoint: the schedule sets it.
+SCHEDULED_SETTINGS = ("params", "lr", "initial_lr")
+
 # Logged at each training step only: the batch's images, and its real tokens' share of its slots.
 TRAIN_STEP_LOGS = ("train/images_per_batch", "train/fill")
 
@@ -329,6 +332,24 @@ class NaViTClassifier(L.LightningModule):
             self.val_acc_best.max_value.fill_(checkpoint["val_acc_best"])
         self._saved_schedule = checkpoint.get("schedule")
         self._resumed_at = ResumePoint.of(checkpoint)
+        if checkpoint.get("optimizer_states"):
+            self._take_optimizer_settings(checkpoint["optimizer_states"][0]["param_groups"])
+
+    def _take_optimizer_settings(self, saved_groups: list[dict]) -> None:
+        """A resumed run's optimizer settings are this command's (optimizer.weight_decay=0.1,
+        betas), which the saved state would replace without a word; its rates stay the
+        checkpoint's, as its schedule's step does (see _scale_learning_rate)."""
+        configured = self.optimizer_factory(params=parameter_groups(self)).param_groups
+        if len(configured) != len(saved_groups):
+            return  # another optimizer layout: Lightning's load says what does not fit
+        changes = {}  # an ordered set: each change once, where the groups share it
+        for saved, wanted in zip(saved_groups, configured, strict=True):
+            for key, value in wanted.items():
+                if key not in SCHEDULED_SETTINGS and key in saved and saved[key] != value:
+                    changes[f"{key} {saved[key]} -> {value}"] = None
+                    saved[key] = value
+        if changes:
+            rank_zero_info(f"resumed with this command's optimizer settings: {', '.join(changes)}")
 
     def _schedule_settings(self) -> list:
         """What the schedule's length follows: a resume with other values has another one."""
