@@ -161,24 +161,69 @@ def test_a_sweep_refuses_ranks_that_would_start_as_the_whole_sweep(monkeypatch, 
         validate.check_sweep_launch(trainer, 1)
 
 
+# What torchrun sets in each process, but the number of processes, WORLD_SIZE.
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "myrun", "RANK": "0", "LOCAL_RANK": "0"}
+
+
+def launched_by(monkeypatch, launcher: dict[str, str]) -> None:
+    """The environment of a process that `launcher`'s variables say who started."""
+    for name in ("MASTER_ADDR", "TORCHELASTIC_RUN_ID", "LSB_JOBID", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in [name for name in os.environ if name.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize(
+    ("launcher", "overrides", "message"),
+    [
+        (
+            TORCHRUN | {"WORLD_SIZE": "2"},
+            ["strategy=ddp"],
+            r"torchrun started 2 process\(es\), but "
+            r"trainer.devices=1 x trainer.num_nodes=1 makes 1: set trainer.devices to its --nproc_per_node",
+        ),
+        (TORCHRUN | {"WORLD_SIZE": "1"}, ["strategy=ddp", "trainer.devices=2"], "torchrun started 1 process"),
+        ({"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train"}, ["strategy=ddp"], r"srun started 2 process"),
+        ({"SLURM_NTASKS": "4", "SLURM_JOB_NAME": "train"}, [], None),  # one device in an allocation
+        (TORCHRUN | {"WORLD_SIZE": "4"}, ["strategy=ddp", "trainer.devices=2", "trainer.num_nodes=2"], None),
+    ],
+)
+def test_the_processes_a_launcher_started_must_be_the_trainers_devices(
+    monkeypatch, launcher, overrides, message
+):
+    """Lightning failed in every process with a traceback, after the data was set up."""
+    launched_by(monkeypatch, launcher)
+    cfg = config("trainer.accelerator=cpu", *overrides)
+    if message:
+        with pytest.raises(ConfigError, match=message):
+            check_launch(cfg)
+    else:
+        check_launch(cfg)
+
+
+def test_a_sweep_under_torchrun_is_refused(monkeypatch):
+    """Its second job's ranks met over torchrun's store of the first job and hung or failed."""
+    launched_by(monkeypatch, TORCHRUN | {"WORLD_SIZE": "2"})
+    monkeypatch.setattr(validate, "in_sweep", lambda: True)
+    with pytest.raises(ConfigError, match=r"a sweep \(-m\) under torchrun"):
+        validate.check_sweep_launch(config("strategy=ddp", "trainer.devices=2").trainer, 1)
+
+
 @pytest.mark.parametrize(
     ("launcher", "refused"),
     [
         ({}, True),
         ({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "NODE_RANK": "1"}, False),
-        ({"TORCHELASTIC_RUN_ID": "myrun", "RANK": "0", "LOCAL_RANK": "0"}, False),  # torchrun
+        (TORCHRUN | {"WORLD_SIZE": "8"}, False),
         ({"SLURM_NTASKS": "8", "SLURM_JOB_NAME": "train"}, False),
     ],
     ids=["none", "by hand", "torchrun", "slurm"],
 )
 def test_nodes_without_a_meeting_point_are_refused(monkeypatch, launcher, refused):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    for name in ("MASTER_ADDR", "TORCHELASTIC_RUN_ID", "LSB_JOBID"):
-        monkeypatch.delenv(name, raising=False)
-    for name in [name for name in os.environ if name.startswith("SLURM_")]:
-        monkeypatch.delenv(name)
-    for name, value in launcher.items():
-        monkeypatch.setenv(name, value)
+    launched_by(monkeypatch, launcher)
     cfg = config("strategy=ddp", "trainer.devices=4", "trainer.num_nodes=2")
     if refused:
         with pytest.raises(

@@ -95,6 +95,7 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
         check_dp(cfg, on_gpu)
     check_sweep_launch(trainer, gpus if on_gpu else 1)
     check_nodes_can_meet(trainer.num_nodes)
+    check_launched_processes(trainer, gpus if on_gpu else 1)
     if trainer.get("reload_dataloaders_every_n_epochs", 1) != 1:
         raise ConfigError(
             f"trainer.reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs}: "
@@ -270,8 +271,16 @@ def check_sweep_launch(trainer: DictConfig, visible_devices: int) -> None:
     """In a sweep (-m), Lightning's own ddp launcher starts ranks 1.. with the sweep's command:
     each ran the whole sweep again, in folders of its own, and waited for peers that never came
     (Lightning issue 11300). The strategy config group's ddp starts them as the job."""
+    if not in_sweep():
+        return
+    if TorchElasticEnvironment.detect():
+        # torchrun's store outlives a job: the next one's ranks met over the last one's keys
+        raise ConfigError(
+            "a sweep (-m) under torchrun: its second job's ranks could not meet (they hung or "
+            "failed); run the sweep without torchrun, with strategy=ddp, which starts each job's ranks"
+        )
     strategy = trainer.strategy
-    if not in_sweep() or not isinstance(strategy, str) or any(env.detect() for env in NODE_LAUNCHERS):
+    if not isinstance(strategy, str) or any(env.detect() for env in NODE_LAUNCHERS):
         return
     # ranks started in-process (ddp_spawn, ddp_fork) run the job itself; the others as scripts
     registered = StrategyRegistry[strategy]["init_params"] if strategy in StrategyRegistry else {}
@@ -314,6 +323,29 @@ def check_nodes_can_meet(num_nodes: int) -> None:
         "nodes where to meet: start each node under torchrun or srun, or as MASTER_ADDR=<node 0's "
         "address> MASTER_PORT=29500 NODE_RANK=<i> python train.py ... (README: Beyond one machine)"
     )
+
+
+def check_launched_processes(trainer: DictConfig, visible_devices: int) -> None:
+    """Under torchrun and srun the launcher starts the processes and Lightning counts them as
+    trainer.devices x trainer.num_nodes: where the two differ, every process ended in a
+    traceback of Lightning's (or, with one device, trained a whole run of its own). A
+    one-device run inside a SLURM allocation may run without srun, where SLURM_NTASKS is
+    the allocation's."""
+    devices = device_count(trainer.devices, visible_devices)
+    if TorchElasticEnvironment.detect():
+        started = int(os.environ.get("WORLD_SIZE", 1))
+        launcher, fix = "torchrun", "its --nproc_per_node and trainer.num_nodes its --nnodes"
+    elif SLURMEnvironment.detect() and (devices * trainer.num_nodes > 1 or trainer.strategy != "auto"):
+        started = int(os.environ["SLURM_NTASKS"])
+        launcher, fix = "srun", "the tasks per node (--ntasks-per-node) and trainer.num_nodes the nodes"
+    else:
+        return
+    if devices * trainer.num_nodes != started:
+        raise ConfigError(
+            f"{launcher} started {started} process(es), but trainer.devices={trainer.devices} x "
+            f"trainer.num_nodes={trainer.num_nodes} makes {devices * trainer.num_nodes}: set "
+            f"trainer.devices to {fix}"
+        )
 
 
 def check_dp(cfg: DictConfig, on_gpu: bool) -> None:
