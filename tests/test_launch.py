@@ -56,6 +56,11 @@ def test_slurm_tasks_name_the_run_by_job_and_step(monkeypatch):
         monkeypatch.setenv(name, value)
     assert launch.run_stamp(PATTERN) == "slurm-4242.0"
     assert launch.external_launch_rank() == 3 and launch.quiet_rank_overrides()
+    # a sweep's folder too: each task named it by its own clock, and rank 0's jobs went to one
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        hydra_config = compose("train", return_hydra_config=True).hydra
+    assert hydra_config.run.dir.endswith("/train/runs/slurm-4242.0")
+    assert hydra_config.sweep.dir.endswith("/train/multiruns/slurm-4242.0")
 
 
 @pytest.mark.parametrize("env", [{}, {"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, {"NODE_RANK": "0"}])

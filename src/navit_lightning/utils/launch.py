@@ -79,8 +79,9 @@ def run_stamp(pattern: str) -> str:
     return stamp
 
 
-# configs/hydra/default.yaml names run folders with it
-OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)
+# configs/hydra/default.yaml names run and sweep folders with it. Cached, as Hydra's `now`:
+# a sweep's jobs resolve its folder from copies of one config, and take the first stamp.
+OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True, use_cache=True)
 
 
 def _shared_through_torchrun_store(stamp: str) -> str:
