@@ -78,6 +78,26 @@ def test_a_node_that_never_starts_ends_the_run_with_one_line(run_entry_point):
     assert 8 < time.monotonic() - start < 120
 
 
+def test_a_spawned_rank_killed_ends_the_run_with_one_line(run_entry_point):
+    """Under ddp_spawn the launching process learns of it from torch's spawn: a traceback of
+    it, and a line that the launching process (which trains nothing) could not save."""
+    result = run_entry_point(
+        "train.py",
+        *TINY_RUN,
+        "strategy=ddp_spawn",
+        "trainer.accelerator=cpu",
+        "trainer.devices=2",
+        "+callbacks.interrupt._target_=tests.interruptions.InterruptAtStep",
+        "+callbacks.interrupt.step=2",
+        "+callbacks.interrupt.how=sigkill",
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 3, output[-3000:]
+    assert re.search(r"error: rank [01]'s process ended by SIGKILL without an error of its own", output)
+    assert "Traceback" not in output and "not saved" not in output, output[-3000:]
+
+
 def test_sigterm_ends_a_run_stuck_in_a_collective_within_seconds(run_entry_point, tmp_path):
     """A scheduler's cancel reaches only the launching process: it and its ranks end."""
     env = {**os.environ, "PROJECT_ROOT": str(run_entry_point.root)}

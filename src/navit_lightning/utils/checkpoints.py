@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning.errors import ConfigError
 from navit_lightning.utils.instantiate import dotted_settings, instantiate_group
-from navit_lightning.utils.shutdown import is_collective_failure
+from navit_lightning.utils.shutdown import is_explained_elsewhere
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class ResumeCheckpoint(ModelCheckpoint):
         # rank waited in the barrier for collective_timeout_s, then exited with the
         # barrier's error in place of its own.
         if trainer.world_size > 1 and isinstance(exception, Exception):
-            if not is_collective_failure(exception):  # which says so in its own line
+            if not is_explained_elsewhere(exception):
                 log.warning(
                     f"rank {trainer.global_rank}: {type(exception).__name__} at step "
                     f"{trainer.global_step}, not saved (every rank would have to join the save): "

@@ -37,6 +37,7 @@ import lightning as L
 import torch.distributed
 from hydra.errors import CompactHydraException
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from navit_lightning.utils.launch import in_sweep
 
@@ -182,6 +183,12 @@ def is_joining_failure(error: BaseException) -> bool:
     return isinstance(error, torch.distributed.DistError) and any(s in str(error) for s in NOT_JOINED)
 
 
+def is_explained_elsewhere(error: BaseException) -> bool:
+    """An error whose cause another line names: a collective that failed (in its own line),
+    a spawned rank's error (in that rank's) or death (in ddp_spawn's launching process's)."""
+    return is_collective_failure(error) or isinstance(error, ProcessException)
+
+
 def is_collective_failure(error: BaseException) -> bool:
     """A collective timed out or lost a peer: the process group is of no more use."""
     message = str(error)
@@ -209,6 +216,14 @@ def explain_collective_failure(trainer: L.Trainer) -> Iterator[None]:
     one line and exit code 3."""
     try:
         yield
+    except ProcessExitedException as error:  # ddp_spawn's launching process: a rank's process died
+        how = f"by {error.signal_name}" if error.signal_name else f"with exit code {error.exit_code}"
+        message = (
+            f"rank {error.error_index}'s process ended {how} without an error of its own (killed, or "
+            "out of host memory?): ckpt_path=last resumes from the last periodic or epoch save"
+        )
+        log.error(f"error: {message}")
+        raise job_end(message, 3) from None
     except RuntimeError as error:
         if is_joining_failure(error):
             timeout = getattr(trainer.strategy, "startup_timeout_s", None)
