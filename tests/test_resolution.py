@@ -8,7 +8,7 @@ import pytest
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.models import NaViT
 from navit_lightning.resolution import budgets_that_fit, label_and_path, main, read_results
-from tests.conftest import TINY_RUN, logged_scalars
+from tests.conftest import TINY_RUN, TINY_SPEC, logged_scalars
 
 
 def accuracy_lines(output: str, split: str) -> dict[int, float]:
@@ -32,8 +32,11 @@ def test_training_ends_with_accuracy_across_resolutions_and_eval_py_agrees(run_e
     assert [step for step, _ in logged_scalars(run / "tensorboard")["resolution/acc"]] == [9, 16, 36, 64]
 
     ckpt = run / "checkpoints" / "last.ckpt"
-    plain = run_entry_point("eval.py", f"ckpt_path={ckpt}", "split=val")
-    plain_accuracy = float(re.search(r"val accuracy: ([0-9.]+)", plain.stdout + plain.stderr).group(1))
+    # counted in the ranks: the launching process of ddp_spawn has no data set up to count
+    plain = run_entry_point("eval.py", f"ckpt_path={ckpt}", "split=val", *spawned)
+    said = re.search(r"val accuracy: ([0-9.]+) on (\d+) images", plain.stdout + plain.stderr)
+    assert said and int(said.group(2)) == TINY_SPEC.num_val, (plain.stdout + plain.stderr)[-3000:]
+    plain_accuracy = float(said.group(1))
     # The sweep in two spawned ranks: the same accuracy as one process, and the warnings that
     # eval.py silences stay silent in ranks that start as fresh interpreters.
     swept = run_entry_point("eval.py", f"ckpt_path={ckpt}", "split=val", "patch_budgets=[9,36,100]", *spawned)

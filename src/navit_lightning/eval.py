@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 from navit_lightning import CONFIG_DIR
 from navit_lightning.data import shapes
 from navit_lightning.errors import ConfigError
-from navit_lightning.resolution import accuracy_across_budgets, budgets_past_the_tables, report
+from navit_lightning.resolution import EvalCounter, accuracy_across_budgets, budgets_past_the_tables, report
 from navit_lightning.utils.checkpoints import (
     build_from_checkpoint,
     check_same_classes,
@@ -70,12 +70,14 @@ def scores(
             )
         report(results, trainer, Path(cfg.paths.output_dir), f"{cfg.split}: {Path(cfg.ckpt_path).name}")
         return {f"{cfg.split}/acc@{result.patch_budget}": result.accuracy for result in results}
+    # Counted as logged, over every rank: under ddp_spawn this process never sets the data up.
+    trainer.callbacks.append(EvalCounter())
     with explain_collective_failure(trainer):
         getattr(trainer, SPLIT_RUNS[cfg.split])(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
-    images = len(datamodule.datasets[cfg.split])
     rank_zero_info(
-        f"{cfg.split} accuracy: {metrics[f'{cfg.split}/acc']:.4f} on {images} images ({cfg.ckpt_path})"
+        f"{cfg.split} accuracy: {metrics[f'{cfg.split}/acc']:.4f} on {metrics[f'{cfg.split}/images']:.0f} "
+        f"images ({cfg.ckpt_path})"
     )
     return metrics
 
