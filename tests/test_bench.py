@@ -177,3 +177,14 @@ def test_a_compiled_case_warms_up_twice_before_the_timed_rounds():
     attention.measure_interleaved(cases, cpu, 2, attention.MatmulProbe(cpu, torch.float32))
     assert calls == {False: 1 + 2, True: 2 + 2}
     assert all(len(c.result.round_ms) == 2 for c in cases)
+
+
+@pytest.mark.parametrize(("tokens", "row_len"), [(256, 512), (1000, 512)])
+def test_the_attention_benchmark_packs_a_step_into_whole_rows(tokens, row_len):
+    """--tokens below --row-len made no row (a traceback), and one not a multiple of it too few."""
+    from navit_lightning.bench.attention import packed_batch, samples_for, workload
+
+    samples = samples_for(workload(tokens, (2, 8)), patch_dim=12)
+    batch = packed_batch(samples, tokens, row_len, patch_dim=12)
+    assert batch.patches.shape[:2] == (-(-tokens // row_len), row_len)
+    assert int((batch.image_ids >= 0).sum()) == sum(len(sample.patches) for sample in samples)

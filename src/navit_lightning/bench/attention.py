@@ -119,7 +119,7 @@ def samples_for(grids: list[tuple[int, int]], patch_dim: int, seed: int = 0) -> 
 def packed_batch(samples: list[ImageSample], tokens: int, row_len: int, patch_dim: int) -> PackedBatch:
     # as many image slots as the smallest image allows a row to hold
     slots = row_len // min(len(s.patches) for s in samples)
-    shape = PackedShape(rows=tokens // row_len, row_len=row_len, max_images=slots)
+    shape = PackedShape(rows=-(-tokens // row_len), row_len=row_len, max_images=slots)  # whole rows
     _, left_over = first_fit_decreasing([len(s.patches) for s in samples], shape)
     if left_over:
         raise ValueError(f"{len(left_over)} workload images do not fit {shape}: raise --tokens")
