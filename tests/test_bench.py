@@ -188,3 +188,15 @@ def test_the_attention_benchmark_packs_a_step_into_whole_rows(tokens, row_len):
     batch = packed_batch(samples, tokens, row_len, patch_dim=12)
     assert batch.patches.shape[:2] == (-(-tokens // row_len), row_len)
     assert int((batch.image_ids >= 0).sum()) == sum(len(sample.patches) for sample in samples)
+
+
+def test_the_index_benchmark_counts_the_opens_of_every_image_format(monkeypatch):
+    """It counted .png files only: a folder of JPEGs read as 0 files opened. (Its audit hook
+    is called directly: a hook added to the test process would stay for good.)"""
+    from navit_lightning.bench import index
+
+    monkeypatch.setitem(index.OPENED, "on", True)
+    monkeypatch.setitem(index.OPENED, "count", 0)
+    for name in ("a.png", "b.JPG", "c.webp", "d.txt"):
+        index._count_opened("open", (f"/images/{name}", "rb", 0))
+    assert index.OPENED["count"] == 3

@@ -34,7 +34,14 @@ from PIL import Image
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.data.datamodule import PackedImageDataModule
-from navit_lightning.data.index import MANIFEST_NAME, POOL_FROM, Manifest, StringTable, index_folder
+from navit_lightning.data.index import (
+    IMAGE_SUFFIXES,
+    MANIFEST_NAME,
+    POOL_FROM,
+    Manifest,
+    StringTable,
+    index_folder,
+)
 
 CLASSES = 10
 DISTINCT = 400  # distinct images, copied under many names: writing 200,000 encodes is slow
@@ -59,7 +66,7 @@ OPENED = {"count": 0, "on": False}
 
 
 def _count_opened(event: str, args: tuple) -> None:
-    if OPENED["on"] and event == "open" and str(args[0]).endswith(".png"):
+    if OPENED["on"] and event == "open" and os.path.splitext(str(args[0]))[1].lower() in IMAGE_SUFFIXES:
         OPENED["count"] += 1
 
 
