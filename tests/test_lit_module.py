@@ -209,7 +209,11 @@ def test_throughput_monitor_logs_tokens_and_model_flops(tmp_path):
     )
     # first a batch whose every image failed to decode: fewer images than batches, which
     # Lightning's Throughput refused
-    trainer.fit(model, DataLoader([make_batch(images=0)] + [batch] * 4, batch_size=None))
+    trainer.fit(
+        model,
+        DataLoader([make_batch(images=0)] + [batch] * 4, batch_size=None),
+        DataLoader([batch] * 2, batch_size=None),
+    )
     assert model.flops_per_batch == int(model.net.train_flops(batch)) > 0
     header, *rows = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text().splitlines()
     columns = header.split(",")
@@ -221,6 +225,8 @@ def test_throughput_monitor_logs_tokens_and_model_flops(tmp_path):
     # samples are images and items real tokens, both counted on the host
     samples, items = (float(logged[f"train/device/{name}_per_sec"][-1]) for name in ("samples", "items"))
     assert samples / items == pytest.approx(batch.num_images / batch.num_real_tokens)
+    # an evaluation's figures were logged at its own batch numbers, from 1 at every validation
+    assert not [name for name in columns if name.startswith(("validate/", "test/"))]
 
 
 def test_the_monitorable_metrics_are_those_a_fit_leaves_for_the_callbacks():

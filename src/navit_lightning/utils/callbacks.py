@@ -8,7 +8,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ThroughputMonitor, WeightAveraging
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from navit_lightning.errors import ConfigError
@@ -100,7 +100,11 @@ class PackedThroughputMonitor(ThroughputMonitor):
             super()._update(trainer, pl_module, batch, iter_num)
 
     def _compute(self, trainer: L.Trainer, iter_num: int | None = None) -> None:
-        if self._batches.get(trainer.state.stage):  # none yet: Throughput has nothing to compute
+        # Training's figures only: Lightning logs an evaluation's at its own batch number, so
+        # each validation drew over the last at steps 1, 2, ... of the training step axis. An
+        # evaluation's time is still measured, and kept out of the training figures.
+        stage = trainer.state.stage
+        if stage == RunningStage.TRAINING and self._batches.get(stage):  # none yet: nothing to compute
             super()._compute(trainer, iter_num)
 
     def _images(self, batch: Any) -> int:
