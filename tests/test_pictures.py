@@ -1,6 +1,8 @@
 """Pictures in TensorBoard: what a short default run shows, and that a packed batch is drawn
 from exactly its images."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -49,6 +51,11 @@ def test_a_short_default_run_shows_pictures_and_hparams(run_entry_point):
     assert "hp/val_acc" in str(events.PluginTagToContent("hparams"))
     assert scalars["hp/val_acc"][-1][1] == pytest.approx(max(value for _, value in scalars["val/acc"]))
     assert scalars["hp/test_acc"][-1][1] == pytest.approx(scalars["test/acc"][-1][1])
+    # and what a step consumed, which training prints at its start (they reached hparams.yaml only)
+    assert "effective_batch/tokens" in str(events.PluginTagToContent("hparams"))
+    printed = re.search(r"= (\d+) tokens, ~(\d+) images", (run / "train.log").read_text())
+    assert scalars["effective_batch/tokens"][-1][1] == int(printed.group(1))
+    assert round(scalars["effective_batch/images"][-1][1]) == int(printed.group(2))
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning import CONFIG_DIR
-from navit_lightning.data.datamodule import PackedImageDataModule
+from navit_lightning.data.datamodule import EFFECTIVE_BATCH_METRICS, PackedImageDataModule
 from navit_lightning.errors import ConfigError
 from navit_lightning.lit_module import NaViTClassifier
 from navit_lightning.resolution import accuracy_across_budgets, budgets_that_fit, report
@@ -69,6 +69,7 @@ def build(
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):  # its HPARAMS tab lists the metrics named here
             declared = [name for name, (_, switch) in HP_METRICS.items() if cfg.get(switch)]
+            declared += list(EFFECTIVE_BATCH_METRICS) if cfg.get("train") else []
             logger.log_hyperparams(run_config, dict.fromkeys(declared, 0.0))
         else:
             logger.log_hyperparams(run_config)

@@ -37,6 +37,9 @@ from navit_lightning.data.transforms import fit_grids
 from navit_lightning.data.workers import exit_with_process, start_context
 from navit_lightning.errors import ConfigError, DataError, require_counts
 
+# What one optimizer step consumes, logged at the start of training (see _report_effective_batch).
+EFFECTIVE_BATCH_METRICS = ("effective_batch/tokens", "effective_batch/images")
+
 # Every rank reads the same lists of files: rank zero names the unreadable ones.
 warn_unreadable_on_rank_zero = rank_zero_only(warn_unreadable)
 
@@ -454,10 +457,11 @@ class PackedImageDataModule(L.LightningDataModule):
             f"one optimizer step = {ranks} rank(s) x {accumulation} accumulated x {tokens} tokens "
             f"= {step_tokens} tokens, ~{step_images:.0f} images"
         )
+        # As metrics that the run's HParams session declares (train.py): hyperparameters
+        # logged now, after the session was written, reached hparams.yaml only.
+        figures = dict(zip(EFFECTIVE_BATCH_METRICS, (step_tokens, round(step_images, 1)), strict=True))
         for logger in self.trainer.loggers if self.trainer else []:
-            logger.log_hyperparams(
-                {"effective_batch/tokens": step_tokens, "effective_batch/images": round(step_images, 1)}
-            )
+            logger.log_metrics(figures, step=self.trainer.global_step)
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
         return self._eval_loaders("val")
