@@ -12,8 +12,8 @@ class InterruptAtStep(L.Callback):
     (`how=error`), or on the last rank alone (`how=error_on_last_rank`: one GPU out of
     memory); send the last rank's process SIGTERM (`how=sigterm`: what a cluster's scheduler
     sends before it stops a job, and which reaches the ranks at different moments, here the
-    other ranks never); or send every rank's process SIGKILL (`how=sigkill`, a node lost:
-    nothing runs after it)."""
+    other ranks never), or SIGUSR1 (`how=sigusr1`: SLURM's warning before a time limit); or
+    send every rank's process SIGKILL (`how=sigkill`, a node lost: nothing runs after it)."""
 
     def __init__(self, step: int, how: str, batch: int = 0) -> None:
         self.step, self.how, self.batch = step, how, batch
@@ -30,5 +30,5 @@ class InterruptAtStep(L.Callback):
             raise RuntimeError(f"interrupted at step {self.step} on purpose")
         if self.how == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
-        elif self.how == "sigterm" and last_rank:
-            os.kill(os.getpid(), signal.SIGTERM)
+        elif self.how in ("sigterm", "sigusr1") and last_rank:
+            os.kill(os.getpid(), signal.SIGTERM if self.how == "sigterm" else signal.SIGUSR1)

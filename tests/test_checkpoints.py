@@ -1,6 +1,7 @@
 """Checkpoints: written atomically, refused with one line when unusable, resumed with
 ckpt_path=last."""
 
+import os
 import re
 import signal
 from pathlib import Path
@@ -283,6 +284,36 @@ def test_an_error_or_a_signal_mid_epoch_leaves_last_ckpt_at_that_step(run_entry_
     assert "not handled within" not in output
     assert result.returncode == (128 + signal.SIGTERM if how == "sigterm" else 1)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]  # written once, nothing else
+
+
+def test_slurms_requeue_signal_stops_the_run_saves_and_requeues_the_job(run_entry_point):
+    """SIGUSR1 under SLURM (Lightning's recipe: #SBATCH --signal=USR1@90): Lightning's own
+    handler saved hpc_ckpt_1.ckpt, which ckpt_path=last never reads, from inside a barrier the
+    other ddp ranks did not reach (they hung or timed out)."""
+    run, bin_dir = run_entry_point.root / "run", run_entry_point.root / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" > {run_entry_point.root / "scontrol"}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    slurm = {"SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}
+    slurm |= {"SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "navit", "SLURM_NODELIST": "localhost"}
+    result = run_entry_point(
+        "train.py",
+        *TINY_RUN,
+        f"hydra.run.dir={run}",
+        "+callbacks.interrupt._target_=tests.interruptions.InterruptAtStep",
+        "+callbacks.interrupt.step=3",
+        "+callbacks.interrupt.how=sigusr1",
+        check=False,
+        env={**slurm, "PATH": f"{bin_dir}:{os.environ['PATH']}"},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 128 + signal.SIGUSR1, output[-3000:]
+    assert (
+        "rank 0: SIGUSR1: every rank stops before its next training step, then the job is requeued" in output
+    )
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
+    assert (run_entry_point.root / "scontrol").read_text().split() == ["requeue", "77"]
+    assert "requeued SLURM job 77" in output
 
 
 def test_an_error_on_one_ddp_rank_ends_the_run_at_once_with_that_error(run_entry_point):

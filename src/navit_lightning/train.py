@@ -23,7 +23,11 @@ from navit_lightning.utils.checkpoints import check_resumable, load_initial_weig
 from navit_lightning.utils.entry_point import launch, log_config, run_task
 from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.loggers import finish_loggers, loggers_closed_on_failure
-from navit_lightning.utils.shutdown import StopTogetherOnSigterm, explain_collective_failure
+from navit_lightning.utils.shutdown import (
+    StopTogetherOnSigterm,
+    explain_collective_failure,
+    requeue_when_asked,
+)
 from navit_lightning.utils.validate import check_launch, check_monitors
 
 # The run's results beside its settings (TensorBoard's HPARAMS tab): hp/ name -> (metric,
@@ -127,7 +131,8 @@ def fit_and_test(
         load_initial_weights(model, cfg.model, cfg.init_from, datamodule.class_names())
     with explain_collective_failure(trainer):
         if cfg.train:
-            trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
+            with requeue_when_asked(trainer):
+                trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
         # what test and the patch budgets evaluate: the best checkpoint of the fit, or the

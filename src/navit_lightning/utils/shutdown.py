@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -36,6 +37,7 @@ from typing import Any
 import lightning as L
 import torch.distributed
 from hydra.errors import CompactHydraException
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
@@ -119,10 +121,16 @@ class StopTogetherOnSigterm(L.Callback):
     the signal; before each optimizer step's first batch, the ranks add up their records in
     one all_reduce, on a gloo group of their own: host memory, no device sync. Lightning's
     handler is replaced for the fit, so its flag stays down and its checks never fire.
+
+    Under SLURM, SIGUSR1 (Lightning's requeue signal: `#SBATCH --signal=USR1@90` without
+    scripts/train.sbatch's `B:`) stops every rank the same way, and then rank 0 requeues the
+    job (requeue_when_asked), which resumes from last.ckpt with ckpt_path=last. Lightning's
+    own handler saved on each signalled rank in a barrier the others never reached: the ranks
+    hung, or timed out, unsaved.
     """
 
     def __init__(self) -> None:
-        self.signalled = False
+        self.signalled = NOTHING  # or STOP, or REQUEUE: the strongest request so far
         self._group: Any = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -149,25 +157,58 @@ class StopTogetherOnSigterm(L.Callback):
         self._listen(trainer)
 
     def _listen(self, trainer: L.Trainer) -> None:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, partial(self._record, trainer.global_rank))
+        if threading.current_thread() is not threading.main_thread():
+            return
+        signal.signal(signal.SIGTERM, partial(self._record, trainer.global_rank, STOP))
+        if SLURMEnvironment.detect():
+            signal.signal(signal.SIGUSR1, partial(self._record, trainer.global_rank, REQUEUE))
 
-    def _record(self, rank: int, signum: int, frame: FrameType | None) -> None:
-        if not self.signalled:
-            log.info(f"rank {rank}: SIGTERM: every rank stops before its next training step")
-        self.signalled = True
+    def _record(self, rank: int, request: int, signum: int, frame: FrameType | None) -> None:
+        if request > self.signalled:
+            name = signal.Signals(signum).name
+            then = ", then the job is requeued" if request == REQUEUE else ""
+            log.info(f"rank {rank}: {name}: every rank stops before its next training step{then}")
+            self.signalled = request
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if batch_idx % trainer.accumulate_grad_batches:
             return  # the optimizer step under way has batches still to accumulate
-        signalled = torch.tensor(int(self.signalled))
+        request = torch.tensor(self.signalled)
         if self._group is not None:
-            torch.distributed.all_reduce(signalled, group=self._group)
-        if signalled.item():
-            # before this batch's step, which ResumeCheckpoint's save counts back
+            torch.distributed.all_reduce(request, op=torch.distributed.ReduceOp.MAX, group=self._group)
+        # before this batch's step, which ResumeCheckpoint's save counts back
+        if request.item() == REQUEUE:
+            raise RequeueRequested(128 + signal.SIGUSR1)
+        if request.item() == STOP:
             raise SIGTERMException(128 + signal.SIGTERM)
+
+
+# What a rank was asked, by a signal, to do after its last step (StopTogetherOnSigterm).
+NOTHING, STOP, REQUEUE = 0, 1, 2
+
+
+class RequeueRequested(SIGTERMException):
+    """Every rank stopped on SLURM's requeue signal (SIGUSR1); last.ckpt is written."""
+
+
+@contextmanager
+def requeue_when_asked(trainer: L.Trainer) -> Iterator[None]:
+    """Around fit: once every rank has stopped on SIGUSR1 and last.ckpt is written, rank 0
+    requeues the SLURM job, as Lightning's own handler does (scontrol requeue)."""
+    try:
+        yield
+    except RequeueRequested:
+        if trainer.is_global_zero:
+            array = os.environ.get("SLURM_ARRAY_JOB_ID")
+            job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ["SLURM_JOB_ID"]
+            requeued = subprocess.run(["scontrol", "requeue", job], check=False).returncode == 0
+            if requeued:
+                log.info(f"requeued SLURM job {job}: it resumes from last.ckpt with ckpt_path=last")
+            else:
+                log.error(f"error: scontrol requeue {job} failed: requeue it yourself, or resubmit")
+        raise
 
 
 # What gloo raises when a collective times out, and when a peer rank is gone mid-collective.
