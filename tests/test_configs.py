@@ -1,5 +1,6 @@
 """Every config file composes, and what it describes instantiates."""
 
+import shutil
 from pathlib import Path
 
 import hydra
@@ -81,3 +82,18 @@ def test_eval_config_composes(tmp_path):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("eval", overrides=["ckpt_path=x.ckpt"])
     assert cfg.split == "test" and cfg.ckpt_path == "x.ckpt"
+
+
+@pytest.mark.parametrize("task", ["train", "eval", "predict"])
+def test_local_settings_apply_as_top_level_keys_under_the_debug_presets(task, tmp_path):
+    """configs/local/default.yaml as the README shows it, without a package header: its keys
+    went under `local:` and changed nothing; and a local trainer.max_epochs undid debug=limit."""
+    configs = tmp_path / "configs"
+    shutil.copytree(CONFIG_DIR, configs)
+    (configs / "local" / "default.yaml").write_text("trainer:\n  max_epochs: 20\n  devices: 3\n")
+    with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
+        cfg = compose(task)
+        assert "local" not in cfg and cfg.trainer.devices == 3
+        if task == "train":
+            assert cfg.trainer.max_epochs == 20
+            assert compose(task, overrides=["debug=limit"]).trainer.max_epochs == 2
