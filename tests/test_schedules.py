@@ -54,3 +54,13 @@ def test_the_warm_up_is_taken_as_given_up_to_half_the_run(total, warmup, peak):
     factor = warmup_cosine(optimizer, total, warmup_steps=warmup).lr_lambdas[0]
     rates = [factor(step) for step in range(total)]
     assert rates.index(max(rates)) == peak and max(rates) == 1.0
+
+
+def test_a_run_of_unknown_length_warms_up_then_keeps_its_rate():
+    """trainer.max_epochs=-1 (ended by max_time or early stopping): Lightning's total is
+    infinite, half of it NaN, and the warm-up was one step."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    factor = warmup_cosine(optimizer, float("inf"), warmup_steps=100).lr_lambdas[0]
+    rates = [factor(step) for step in range(1000)]
+    assert rates[:100] == pytest.approx([(step + 1) / 100 for step in range(100)])
+    assert rates[100:] == [1.0] * 900

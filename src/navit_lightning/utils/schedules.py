@@ -61,8 +61,11 @@ def warmup_cosine(
     if not 0 <= min_lr_ratio <= 1:
         raise ConfigError(f"scheduler.min_lr_ratio={min_lr_ratio} is a share of the base rate: 0 <= it <= 1")
     # At most half the run warms up, so that a short one (a smoke test, a tiny max_steps)
-    # still decays; a shorter warm-up is taken as given.
-    warmup_steps = min(warmup_steps, max(1, total_steps // 2))
+    # still decays; a shorter warm-up is taken as given. A run of unknown length
+    # (trainer.max_epochs=-1, ended by max_time or early stopping) warms up, then keeps the
+    # base rate: there is no end for the cosine to reach (half of infinity made no warm-up).
+    if math.isfinite(total_steps):
+        warmup_steps = min(warmup_steps, max(1, int(total_steps) // 2))
 
     def factor(step: int) -> float:
         if step < warmup_steps:
