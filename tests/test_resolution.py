@@ -79,6 +79,16 @@ def test_budgets_past_the_position_tables_are_left_out_before_the_sweep(project_
     assert budgets_that_fit([9, 36, 64], datamodule, fractional, "val") == [9, 36, 64]
 
 
+@pytest.mark.slow
+def test_a_run_without_validation_skips_the_sweep_with_a_line(run_entry_point):
+    """trainer.limit_val_batches=0 let the whole run end in a KeyError: the sweep's
+    validations logged no accuracy."""
+    result = run_entry_point("train.py", *TINY_RUN, "trainer.limit_val_batches=0")
+    assert "patch_budgets skipped: trainer.limit_val_batches=0" in result.stdout + result.stderr
+    run = next((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    assert not (run / "resolution_accuracy.csv").exists()
+
+
 def test_curves_of_several_runs_in_one_figure(tmp_path):
     rows = "patch_budget,patches_per_image,accuracy,images_per_s\n4,3.9,0.3,100\n36,34.4,0.98,50\n"
     # a sweep's job folder, named by Hydra after its overrides

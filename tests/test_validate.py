@@ -97,6 +97,11 @@ def test_refused(monkeypatch, gpus, overrides, message):
             ["ckpt_path=run.ckpt", "split=tset"],
             "split='tset' is unknown: use split=val or split=test",
         ),
+        (  # it ended in a KeyError after loading the network: no accuracy logged
+            "eval",
+            ["ckpt_path=run.ckpt", "split=val", "trainer.limit_val_batches=0"],
+            "trainer.limit_val_batches=0 evaluates no batch",
+        ),
     ],
 )
 def test_eval_and_predict_refuse_what_they_miss(task, overrides, message):

@@ -36,6 +36,11 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     check_launch(cfg, training=False)
     if cfg.split not in SPLIT_RUNS:
         raise ConfigError(f"split={cfg.split!r} is unknown: use split=val or split=test")
+    limit = f"limit_{cfg.split}_batches"
+    if cfg.trainer.get(limit) == 0:
+        raise ConfigError(
+            f"trainer.{limit}=0 evaluates no batch: leave it out for all of them, or give a count or a share"
+        )
     L.seed_everything(cfg.seed, workers=True)
     run, class_names = load_training_run(cfg.ckpt_path)
     given = data_keys_given()

@@ -10,7 +10,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning import CONFIG_DIR
@@ -141,7 +141,11 @@ def fit_and_test(
         if cfg.test:
             trainer.test(model, datamodule=datamodule, ckpt_path=tested)
             metrics.update({name: float(value) for name, value in trainer.callback_metrics.items()})
-        budgets = budgets_that_fit(list(cfg.get("patch_budgets") or []), datamodule, model.net, "val")
+        budgets = list(cfg.get("patch_budgets") or [])
+        if budgets and trainer.limit_val_batches == 0:  # its validation would log no accuracy
+            rank_zero_warn("patch_budgets skipped: trainer.limit_val_batches=0 evaluates no val batch")
+            budgets = []
+        budgets = budgets_that_fit(budgets, datamodule, model.net, "val")
         if budgets:
             results = accuracy_across_budgets(trainer, model, datamodule, budgets, "val", tested)
             title = "val" if tested is None else "val, best checkpoint" if cfg.train else f"val, {tested}"
