@@ -79,6 +79,10 @@ def config(*overrides: str):
         (0, ["init_from=nowhere.ckpt"], "init_from=nowhere.ckpt does not exist: pass a run's checkpoint"),
         (0, ["init_from=/"], "init_from=/ is a folder: pass a run's checkpoint file"),
         (0, ["train=false"], "train=false tests a checkpoint, the network's weights would be its initial"),
+        (0, ["seed=null"], "seed=None must be a whole number from 0 to 4294967295: every rank plans"),
+        (0, ["seed=-1"], "seed=-1 must be a whole number from 0 to 4294967295"),
+        (0, ["seed=4294967296"], "seed=4294967296 must be a whole number"),
+        (0, ["seed=1.5"], "seed=1.5 must be a whole number"),
     ],
 )
 def test_refused(monkeypatch, gpus, overrides, message):

@@ -41,6 +41,8 @@ REQUIRED_EXAMPLES = {
     "ckpt_path": CKPT_PATH_EXAMPLE,
     "input": "<an image file or a folder of images>",
 }
+# The largest seed numpy's generators take (Lightning's seed_everything checks the same).
+MAX_SEED = 2**32 - 1
 # The launchers Lightning detects and takes the nodes' meeting point from (its cluster
 # environments; Kubeflow's sets MASTER_ADDR).
 NODE_LAUNCHERS = (
@@ -61,6 +63,7 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
     ):
         if training and group not in cfg and OmegaConf.is_interpolation(cfg.model, group):
             raise ConfigError(f"~{group} removed the config model.{group} follows (${{{group}}}): {fix}")
+    check_seed(cfg.get("seed"))
     trainer = cfg.trainer
     check_strategy_name(trainer.strategy)
     gpus = torch.cuda.device_count()
@@ -158,6 +161,17 @@ def cpu_has_bf16_instructions() -> bool:
         getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     )
     return any(probe is None or probe() for probe in probes)
+
+
+def check_seed(seed: object) -> None:
+    """Every rank plans the same epochs from the seed (the data's is the run's): seed=null
+    left the data's unset (a traceback in the sampler), and would draw one per process under
+    torchrun or srun; Lightning refuses what numpy cannot take, with a traceback."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ConfigError(
+            f"seed={seed} must be a whole number from 0 to {MAX_SEED}: every rank plans the same "
+            "batches from it (another number gives other draws)"
+        )
 
 
 def check_training_numbers(trainer: DictConfig) -> None:
