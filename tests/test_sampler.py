@@ -8,7 +8,7 @@ import pytest
 
 from navit_lightning.batch import PackedShape
 from navit_lightning.data.folder import mirrored
-from navit_lightning.data.sampler import EpochOrder, PackedBatchSampler, SampleKey, SizePolicy
+from navit_lightning.data.sampler import EpochOrder, PackedBatchSampler, SampleKey, SizePolicy, plan_batches
 from navit_lightning.data.transforms import fit_grid, fit_grids
 from navit_lightning.errors import ConfigError, DataError
 from tests.test_packing import reference_first_fit_decreasing
@@ -146,7 +146,9 @@ def reference_keys(policy: SizePolicy, sizes, seed: int, epoch: int) -> list[Sam
 def reference_plan(
     keys: list[SampleKey], order: list[int], shape: PackedShape, lookahead: int
 ) -> list[list[SampleKey]]:
-    """The epoch's batches as they were first planned: lists of keys."""
+    """The epoch's batches as they were first planned: lists of keys (with a look-ahead of at
+    least a batch's slots since, a setting where plans changed)."""
+    lookahead = max(lookahead, shape.rows * shape.max_images)
     batches: list[list[SampleKey]] = []
     buffer: list[int] = []
     upcoming = iter(order)
@@ -228,6 +230,16 @@ def test_variable_sizes_fill_the_batches():
     # The last few batches take what is left of the epoch.
     fills = [sum(key.keep for key in batch) / (SHAPE.rows * SHAPE.row_len) for batch in batches[:-3]]
     assert sum(fills) / len(fills) > 0.98 and min(fills) > 0.9, fills
+
+
+def test_a_batch_of_more_slots_than_the_look_ahead_is_filled():
+    """A batch held no more images than the buffer: 128 rows of small images were 60 % full
+    at data.lookahead=512."""
+    lengths = np.random.default_rng(0).integers(4, 17, size=20_000)
+    shape = PackedShape(rows=64, row_len=64, max_images=16)
+    batches = plan_batches(lengths, np.arange(len(lengths)), shape, lookahead=64)
+    fills = batches.sums(lengths)[:-3] / (shape.rows * shape.row_len)
+    assert fills.mean() > 0.98 and np.diff(batches.bounds).max() > 64
 
 
 def samplers(sizes, world: int) -> list[PackedBatchSampler]:
