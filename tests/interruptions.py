@@ -1,4 +1,5 @@
-"""Callbacks that stop a run at a chosen training step, as a crash or a scheduler would."""
+"""Callbacks that stop a run at a chosen training step, as a crash or a scheduler would, and
+one that counts what an evaluation ran."""
 
 import os
 import signal
@@ -32,3 +33,28 @@ class InterruptAtStep(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.how in ("sigterm", "sigusr1") and last_rank:
             os.kill(os.getpid(), signal.SIGTERM if self.how == "sigterm" else signal.SIGUSR1)
+
+
+class CountEvaluatedBatches(L.Callback):
+    """Prints the batches of every validation (past the sanity check) and test, for the tests
+    of what limits them."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+
+    def on_validation_batch_end(self, trainer: L.Trainer, *args) -> None:
+        self.batches += not trainer.sanity_checking
+
+    def on_test_batch_end(self, trainer: L.Trainer, *args) -> None:
+        self.batches += 1
+
+    def on_validation_end(self, trainer: L.Trainer, *args) -> None:
+        self._report("validation", trainer)
+
+    def on_test_end(self, trainer: L.Trainer, *args) -> None:
+        self._report("test", trainer)
+
+    def _report(self, stage: str, trainer: L.Trainer) -> None:
+        if not trainer.sanity_checking:
+            print(f"{stage} batches: {self.batches}", flush=True)
+        self.batches = 0
