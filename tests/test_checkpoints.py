@@ -512,14 +512,17 @@ def test_a_run_killed_in_a_later_epoch_resumes_exactly(run_entry_point, rows, fi
 
 @pytest.mark.slow
 def test_an_epoch_end_resume_with_another_batch_shape_goes_on_along_the_rest_of_its_schedule(run_entry_point):
-    """Resumed at an epoch's end with half the rows, so twice the steps an epoch (as on half
-    the ranks), and one more epoch: the cosine runs from the saved step to the run's new end.
-    Lightning's estimate, two epochs at the new count, put the end 8 steps late; from twice
-    the ranks it put it before the saved step, and the rate sat at its floor."""
+    """Trained 5 batches of its first epoch's 8 (limit_train_batches), resumed at that epoch's
+    end with half the rows, so more steps an epoch (as on fewer ranks), and one more epoch:
+    the cosine runs from the saved step to the run's new end. Lightning's estimate, two
+    epochs at the new count, put the end 10 steps late, and from twice the ranks before the
+    saved step (the rate sat at its floor). Its first epoch ended 3 batches before its plan:
+    read as mid-epoch, the resume was refused (other data.rows)."""
     run = run_entry_point.root / "run"
     command = [*TINY_RUN, "test=false", "patch_budgets=null", f"hydra.run.dir={run}"]
-    run_entry_point("train.py", *command)
+    run_entry_point("train.py", *command, "trainer.limit_train_batches=5")
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["global_step"] == 5
     run_entry_point("train.py", *command, "ckpt_path=last", "trainer.max_epochs=2", "data.rows=2")
     rates = logged_scalars(run / "tensorboard")["lr-AdamW/pg1"]
     resumed = [(step, rate) for step, rate in rates if step >= saved["global_step"]]

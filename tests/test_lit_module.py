@@ -8,6 +8,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 
 from navit_lightning.batch import PackedBatch, PackedShape, image_index
@@ -90,6 +91,12 @@ def test_a_resume_takes_the_commands_optimizer_settings_and_keeps_its_rates(capl
     }
     resumed = make_model("linear")
     resumed.optimizer_factory = partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.5, betas=[0.5, 0.9])
+    resumed.trainer = bare_trainer()
+    caplog.clear()
+    resumed.on_load_checkpoint(checkpoint)  # a test of a checkpoint: nothing trains, nothing said
+    assert "optimizer settings" not in caplog.text
+    assert checkpoint["optimizer_states"][0]["param_groups"][0]["weight_decay"] == 0.05
+    resumed.trainer.state.fn = TrainerFn.FITTING
     resumed.on_load_checkpoint(checkpoint)
     groups = checkpoint["optimizer_states"][0]["param_groups"]
     assert [(g["weight_decay"], g["betas"], g["lr"]) for g in groups] == [

@@ -31,12 +31,13 @@ SchedulerFactory = Callable[[torch.optim.Optimizer, int], torch.optim.lr_schedul
 
 
 class ResumePoint(NamedTuple):
-    """Where a checkpoint's run stood: its optimizer steps, its epoch and the batches of it
-    each rank had still to train (0 once the epoch was over)."""
+    """Where a checkpoint's run stood: its optimizer steps, its epoch, and the batches of it
+    each rank had trained and had planned (all of them once the epoch was over)."""
 
     global_step: int
     epoch: int
-    batches_left: int
+    batches_done: int
+    batches_planned: int
 
     @classmethod
     def of(cls, checkpoint: dict) -> ResumePoint | None:
@@ -45,8 +46,16 @@ class ResumePoint(NamedTuple):
         position = loaders[0] if loaders else {}
         if "batches_done" not in position:
             return None
-        left = max(0, position["batches_per_rank"] - position["batches_done"])
-        return cls(checkpoint["global_step"], position["epoch"], left)
+        return cls(
+            checkpoint["global_step"],
+            position["epoch"],
+            position["batches_done"],
+            position["batches_per_rank"],
+        )
+
+    def batches_left(self, epoch_batches: int) -> int:
+        """The batches of its epoch still to train, of `epoch_batches` an epoch at most."""
+        return max(0, min(self.batches_planned, epoch_batches) - self.batches_done)
 
 
 def image_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -332,7 +341,8 @@ class NaViTClassifier(L.LightningModule):
             self.val_acc_best.max_value.fill_(checkpoint["val_acc_best"])
         self._saved_schedule = checkpoint.get("schedule")
         self._resumed_at = ResumePoint.of(checkpoint)
-        if checkpoint.get("optimizer_states"):
+        fitting = self._trainer is not None and self.trainer.state.fn == TrainerFn.FITTING
+        if fitting and checkpoint.get("optimizer_states"):  # not a test of a checkpoint
             self._take_optimizer_settings(checkpoint["optimizer_states"][0]["param_groups"])
 
     def _take_optimizer_settings(self, saved_groups: list[dict]) -> None:
@@ -389,12 +399,11 @@ class NaViTClassifier(L.LightningModule):
         resumed = self._resumed_at
         if resumed is None or trainer.max_epochs == -1 or not math.isfinite(estimate):
             return estimate
-        steps_per_epoch = math.ceil(trainer.num_training_batches / trainer.accumulate_grad_batches)
-        steps = (
-            resumed.global_step
-            + math.ceil(resumed.batches_left / trainer.accumulate_grad_batches)
-            + max(0, trainer.max_epochs - resumed.epoch - 1) * steps_per_epoch
-        )
+        batches = trainer.num_training_batches  # an epoch's, limit_train_batches applied
+        per_step = trainer.accumulate_grad_batches
+        later_epochs = max(0, trainer.max_epochs - resumed.epoch - 1)
+        steps = resumed.global_step + math.ceil(resumed.batches_left(batches) / per_step)
+        steps += later_epochs * math.ceil(batches / per_step)
         return steps if trainer.max_steps == -1 else min(steps, trainer.max_steps)
 
     def _scale_learning_rate(self, optimizer: torch.optim.Optimizer) -> None:

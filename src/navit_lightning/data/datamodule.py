@@ -50,7 +50,7 @@ class TrainLoader(DataLoader):
     training step finished on every rank, which `batches_done` reports. The loader cannot
     count them itself: its workers and Lightning's fetcher read batches ahead."""
 
-    def __init__(self, *args: Any, batches_done: Callable[[], int], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, batches_done: Callable[[], int | None], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.batches_done = batches_done
 
@@ -65,7 +65,8 @@ class TrainLoader(DataLoader):
         return started_at_first_batch()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.batch_sampler.position(self.batches_done())
+        done = self.batches_done()  # None: the epoch is over
+        return self.batch_sampler.position(len(self.batch_sampler) if done is None else done)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.batch_sampler.resume(state_dict)
@@ -395,10 +396,15 @@ class PackedImageDataModule(L.LightningDataModule):
             return TrainLoader(self.datasets[split], batches_done=self._train_batches_done, **options)
         return DataLoader(self.datasets[split], **options)
 
-    def _train_batches_done(self) -> int:
+    def _train_batches_done(self) -> int | None:
         """The batches of this epoch whose training step finished: Lightning's own count,
-        the one its loops resume from."""
-        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed if self.trainer else 0
+        the one its loops resume from; None once its epoch is over, which
+        trainer.limit_train_batches ends before the plan's end (an epoch-end checkpoint read
+        as a mid-epoch one: refused on other ranks or data, and its steps left miscounted)."""
+        if not self.trainer:
+            return 0
+        done = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return None if done >= self.trainer.num_training_batches else done
 
     def _num_workers(self) -> int:
         if self.num_workers is not None:
