@@ -79,7 +79,7 @@ def config(*overrides: str):
         (0, ["init_from=nowhere.ckpt"], "init_from=nowhere.ckpt does not exist: pass a run's checkpoint"),
         (0, ["init_from=/"], "init_from=/ is a folder: pass a run's checkpoint file"),
         (0, ["train=false"], "train=false tests a checkpoint, the network's weights would be its initial"),
-        (0, ["seed=null"], "seed=None must be a whole number from 0 to 4294967295: every rank plans"),
+        (0, ["seed=null"], "seed=null must be a whole number from 0 to 4294967295: every rank plans"),
         (0, ["seed=-1"], "seed=-1 must be a whole number from 0 to 4294967295"),
         (0, ["seed=4294967296"], "seed=4294967296 must be a whole number"),
         (0, ["seed=1.5"], "seed=1.5 must be a whole number"),
@@ -194,7 +194,11 @@ def launched_by(monkeypatch, launcher: dict[str, str]) -> None:
             r"trainer.devices=1 x trainer.num_nodes=1 makes 1: set trainer.devices to its --nproc_per_node",
         ),
         (TORCHRUN | {"WORLD_SIZE": "1"}, ["strategy=ddp", "trainer.devices=2"], "torchrun started 1 process"),
-        ({"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train"}, ["strategy=ddp"], r"srun started 2 process"),
+        (
+            {"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train"},
+            ["strategy=ddp"],
+            r"the SLURM job has 2 task\(s\) \(SLURM_NTASKS\), one process each under srun, but trainer",
+        ),
         ({"SLURM_NTASKS": "4", "SLURM_JOB_NAME": "train"}, [], None),  # one device in an allocation
         (TORCHRUN | {"WORLD_SIZE": "4"}, ["strategy=ddp", "trainer.devices=2", "trainer.num_nodes=2"], None),
     ],
@@ -212,12 +216,25 @@ def test_the_processes_a_launcher_started_must_be_the_trainers_devices(
         check_launch(cfg)
 
 
-def test_a_sweep_under_torchrun_is_refused(monkeypatch):
-    """Its second job's ranks met over torchrun's store of the first job and hung or failed."""
-    launched_by(monkeypatch, TORCHRUN | {"WORLD_SIZE": "2"})
+def test_a_sweep_of_several_processes_under_torchrun_is_refused(monkeypatch):
+    """Its second job's ranks met over torchrun's store of the first job and hung or failed;
+    one process has nothing to meet."""
     monkeypatch.setattr(validate, "in_sweep", lambda: True)
+    launched_by(monkeypatch, TORCHRUN | {"WORLD_SIZE": "2"})
     with pytest.raises(ConfigError, match=r"a sweep \(-m\) under torchrun"):
         validate.check_sweep_launch(config("strategy=ddp", "trainer.devices=2").trainer, 1)
+    launched_by(monkeypatch, TORCHRUN | {"WORLD_SIZE": "1"})
+    validate.check_sweep_launch(config().trainer, 1)
+
+
+@pytest.mark.parametrize(
+    ("task", "given"), [("eval", ["ckpt_path=run.ckpt"]), ("predict", ["ckpt_path=run.ckpt", "input=images"])]
+)
+def test_eval_and_predict_take_seed_null(task, given):
+    """They plan no training epochs: seed=null has Lightning draw one, as it did."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(task, overrides=[*given, "seed=null"])
+    check_launch(cfg, training=False)
 
 
 @pytest.mark.parametrize(

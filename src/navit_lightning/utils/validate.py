@@ -63,7 +63,8 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
     ):
         if training and group not in cfg and OmegaConf.is_interpolation(cfg.model, group):
             raise ConfigError(f"~{group} removed the config model.{group} follows (${{{group}}}): {fix}")
-    check_seed(cfg.get("seed"))
+    if training:
+        check_seed(cfg.get("seed"))
     trainer = cfg.trainer
     check_strategy_name(trainer.strategy)
     gpus = torch.cuda.device_count()
@@ -169,8 +170,8 @@ def check_seed(seed: object) -> None:
     torchrun or srun; Lightning refuses what numpy cannot take, with a traceback."""
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
         raise ConfigError(
-            f"seed={seed} must be a whole number from 0 to {MAX_SEED}: every rank plans the same "
-            "batches from it (another number gives other draws)"
+            f"seed={'null' if seed is None else seed} must be a whole number from 0 to {MAX_SEED}: "
+            "every rank plans the same batches from it (another number gives other draws)"
         )
 
 
@@ -287,7 +288,7 @@ def check_sweep_launch(trainer: DictConfig, visible_devices: int) -> None:
     (Lightning issue 11300). The strategy config group's ddp starts them as the job."""
     if not in_sweep():
         return
-    if TorchElasticEnvironment.detect():
+    if TorchElasticEnvironment.detect() and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         # torchrun's store outlives a job: the next one's ranks met over the last one's keys
         raise ConfigError(
             "a sweep (-m) under torchrun: its second job's ranks could not meet (they hung or "
@@ -348,17 +349,18 @@ def check_launched_processes(trainer: DictConfig, visible_devices: int) -> None:
     devices = device_count(trainer.devices, visible_devices)
     if TorchElasticEnvironment.detect():
         started = int(os.environ.get("WORLD_SIZE", 1))
-        launcher, fix = "torchrun", "its --nproc_per_node and trainer.num_nodes its --nnodes"
+        launched = f"torchrun started {started} process(es)"
+        fix = "its --nproc_per_node and trainer.num_nodes its --nnodes"
     elif SLURMEnvironment.detect() and (devices * trainer.num_nodes > 1 or trainer.strategy != "auto"):
         started = int(os.environ["SLURM_NTASKS"])
-        launcher, fix = "srun", "the tasks per node (--ntasks-per-node) and trainer.num_nodes the nodes"
+        launched = f"the SLURM job has {started} task(s) (SLURM_NTASKS), one process each under srun"
+        fix = "the tasks per node (--ntasks-per-node) and trainer.num_nodes the nodes"
     else:
         return
     if devices * trainer.num_nodes != started:
         raise ConfigError(
-            f"{launcher} started {started} process(es), but trainer.devices={trainer.devices} x "
-            f"trainer.num_nodes={trainer.num_nodes} makes {devices * trainer.num_nodes}: set "
-            f"trainer.devices to {fix}"
+            f"{launched}, but trainer.devices={trainer.devices} x trainer.num_nodes={trainer.num_nodes} "
+            f"makes {devices * trainer.num_nodes}: set trainer.devices to {fix}"
         )
 
 
