@@ -203,7 +203,10 @@ def requeue_when_asked(trainer: L.Trainer) -> Iterator[None]:
         if trainer.is_global_zero:
             array = os.environ.get("SLURM_ARRAY_JOB_ID")
             job = f"{array}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array else os.environ["SLURM_JOB_ID"]
-            requeued = subprocess.run(["scontrol", "requeue", job], check=False).returncode == 0
+            try:
+                requeued = subprocess.run(["scontrol", "requeue", job], check=False).returncode == 0
+            except OSError:  # no scontrol here (inside a container)
+                requeued = False
             if requeued:
                 log.info(f"requeued SLURM job {job}: it resumes from last.ckpt with ckpt_path=last")
             else:
