@@ -8,10 +8,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from navit_lightning.utils.shutdown import GRACE_S, descendants
+from navit_lightning.utils.shutdown import GRACE_S, RequeueRequested, descendants, requeue_when_asked
 from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, free_port, run_whole
 
 pytestmark = pytest.mark.slow
@@ -137,3 +138,13 @@ def test_the_suites_runner_ends_every_process_of_a_command_that_timed_out(tmp_pa
         run_whole("sleep 300 & sleep 300 & wait", shell=True, env=env, timeout=2)
     time.sleep(1)
     assert not processes_of(tmp_path)
+
+
+def test_a_requeue_without_scontrol_ends_with_its_line(monkeypatch, tmp_path, caplog):
+    """Inside a container scontrol is often missing: the stop ended in a FileNotFoundError."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    with pytest.raises(RequeueRequested), requeue_when_asked(SimpleNamespace(is_global_zero=True)):
+        raise RequeueRequested(128 + signal.SIGUSR1)
+    assert "error: scontrol requeue 77 failed: requeue it yourself, or resubmit" in caplog.text
