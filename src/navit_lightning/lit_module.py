@@ -20,7 +20,8 @@ from navit_lightning.errors import ConfigError
 from navit_lightning.models import NaViT, build_head
 from navit_lightning.utils.schedules import check_lr_scaling, lr_scale
 
-# What a resumed optimizer keeps from its checkpoint: the schedule sets it.
+# What a resumed optimizer keeps from its checkpoint: its parameters, and the rates its
+# schedule sets.
 SCHEDULED_SETTINGS = ("params", "lr", "initial_lr")
 
 # Logged at each training step only: the batch's images, and its real tokens' share of its slots.
