@@ -324,6 +324,7 @@ def test_a_constructor_failing_otherwise_keeps_its_traceback():
         (["trainer.sync_batchnorm=true", "model.head=bn_mlp"], "sync_batchnorm=true needs CUDA GPUs"),
         (["trainer.strategy=foo"], "trainer.strategy=foo is unknown"),
         (["~logger"], "callbacks.learning_rate_monitor needs a logger"),
+        (["logger=null"], "logger=null: Hydra cannot set a config group to null; ~logger removes it"),
         (["data.max_patches=200"], "data.max_patches=200 exceeds data.row_len=144"),
         (["model.head=mlp"], "model.head='mlp' is unknown: use one of ['bn_mlp', 'linear']"),
         (["model.net.attention=dense"], "model.net.attention='dense' is unknown"),

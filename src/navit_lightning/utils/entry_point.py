@@ -8,6 +8,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 from hydra.errors import InstantiationException
@@ -15,6 +16,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
+from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError, DataError
 from navit_lightning.utils.launch import in_sweep, quiet_rank_overrides
 from navit_lightning.utils.shutdown import JobFailed, end_promptly_on_signals, job_end
@@ -27,8 +29,25 @@ def launch(hydra_main: Callable[[], Any]) -> None:
     where every process runs Hydra itself, the .hydra folder and the log file are left to
     the first (see utils/launch.py)."""
     end_promptly_on_signals()
+    refuse_null_groups(sys.argv[1:])
     sys.argv += quiet_rank_overrides()
     hydra_main()
+
+
+def refuse_null_groups(arguments: list[str]) -> None:
+    """`logger=null`, as lightning-hydra-template's configs write it, ends in Hydra's traceback
+    on the command line: refuse it in one line that names the form Hydra takes, `~logger`."""
+    for argument in arguments:
+        group, _, value = argument.partition("=")
+        # Hydra's own groups (hydra/launcher) have options outside CONFIG_DIR
+        options = sorted(path.stem for path in Path(CONFIG_DIR, group).glob("*.yaml"))
+        if value == "null" and "/" not in group and options:
+            print(
+                f"error: {argument}: Hydra cannot set a config group to null; ~{group} removes it, "
+                f"or choose one of {options}",
+                file=sys.stderr,
+            )
+            raise SystemExit(2)
 
 
 def run_task(task: Callable[[DictConfig], T], cfg: DictConfig, from_checkpoint: bool = False) -> T:
