@@ -1,12 +1,12 @@
-"""Pictures of what the project does (packed batches, predictions, the confusion matrix,
-accuracy across resolutions) for the loggers that show them. Figures are built without
-pyplot: no display, no global figure state."""
+"""Pictures of what the project does (packed batches, predictions, the confusion matrix) for
+the loggers that show them; resolution.py draws accuracy across resolutions with log_figure.
+Figures are built without pyplot: no display, no global figure state."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import lightning as L
 import numpy as np
@@ -16,13 +16,9 @@ from lightning.pytorch.loggers import Logger, MLFlowLogger, TensorBoardLogger, W
 from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
-from matplotlib.ticker import ScalarFormatter
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 from navit_lightning.batch import PackedBatch, image_index
-
-if TYPE_CHECKING:
-    from navit_lightning.resolution import BudgetResult
 
 SLOT_COLOURS = colormaps["tab10"]
 
@@ -121,32 +117,6 @@ def confusion_figure(matrix: torch.Tensor, class_names: Sequence[str]) -> Figure
     figure.colorbar(image, ax=axes, label="share of the true class's images")
     axes.set_xlabel(f"predicted class (0..{classes - 1}, in label order)")
     axes.set_ylabel("true class")
-    return figure
-
-
-def resolution_figure(curves: Mapping[str, Sequence[BudgetResult]]) -> Figure:
-    """Accuracy against mean patches per image, one curve per model, each point labelled
-    with its patch budget."""
-    figure = Figure(figsize=(6, 4), layout="constrained")
-    axes = figure.add_subplot()
-    for label, results in curves.items():
-        patches = [result.patches_per_image for result in results]
-        axes.plot(patches, [result.accuracy for result in results], marker="o", label=label)
-        for result, x in zip(results, patches, strict=True):
-            axes.annotate(
-                str(result.patch_budget),
-                (x, result.accuracy),
-                textcoords="offset points",
-                xytext=(0, 6),
-                ha="center",
-                fontsize=8,
-            )
-    axes.set_xscale("log", base=2)
-    axes.xaxis.set_major_formatter(ScalarFormatter())
-    axes.set_xlabel("mean patches per image (patch budget at each point)")
-    axes.set_ylabel("accuracy")
-    axes.grid(alpha=0.3)
-    axes.legend()
     return figure
 
 

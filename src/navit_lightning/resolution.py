@@ -8,14 +8,17 @@ import argparse
 import csv
 import gc
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from matplotlib.figure import Figure
+from matplotlib.ticker import ScalarFormatter
 
-from navit_lightning.pictures import log_figure, resolution_figure
+from navit_lightning.pictures import log_figure
 
 RESULTS_NAME = "resolution_accuracy"
 
@@ -26,6 +29,32 @@ class BudgetResult:
     patches_per_image: float
     accuracy: float
     images_per_s: float
+
+
+def resolution_figure(curves: Mapping[str, Sequence[BudgetResult]]) -> Figure:
+    """Accuracy against mean patches per image, one curve per model, each point labelled
+    with its patch budget."""
+    figure = Figure(figsize=(6, 4), layout="constrained")
+    axes = figure.add_subplot()
+    for label, results in curves.items():
+        patches = [result.patches_per_image for result in results]
+        axes.plot(patches, [result.accuracy for result in results], marker="o", label=label)
+        for result, x in zip(results, patches, strict=True):
+            axes.annotate(
+                str(result.patch_budget),
+                (x, result.accuracy),
+                textcoords="offset points",
+                xytext=(0, 6),
+                ha="center",
+                fontsize=8,
+            )
+    axes.set_xscale("log", base=2)
+    axes.xaxis.set_major_formatter(ScalarFormatter())
+    axes.set_xlabel("mean patches per image (patch budget at each point)")
+    axes.set_ylabel("accuracy")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    return figure
 
 
 class EvalCounter(L.Callback):
