@@ -13,7 +13,14 @@ from omegaconf import DictConfig
 from navit_lightning import CONFIG_DIR
 from navit_lightning.data import shapes
 from navit_lightning.errors import ConfigError
-from navit_lightning.resolution import EvalCounter, accuracy_across_budgets, budgets_past_the_tables, report
+from navit_lightning.resolution import (
+    SPLIT_STAGES,
+    EvalCounter,
+    accuracy_across_budgets,
+    budgets_past_the_tables,
+    past_the_tables,
+    report,
+)
 from navit_lightning.utils.checkpoints import (
     build_from_checkpoint,
     check_same_classes,
@@ -26,15 +33,12 @@ from navit_lightning.utils.loggers import finish_loggers, loggers_closed_on_fail
 from navit_lightning.utils.shutdown import explain_collective_failure
 from navit_lightning.utils.validate import check_launch
 
-# split= -> the Trainer method that runs it
-SPLIT_RUNS = {"val": "validate", "test": "test"}
-
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Accuracy of the checkpoint's network on the chosen split of cfg.data (without one, the
     training run's data), at each of cfg.patch_budgets if given (accuracy across resolutions)."""
     check_launch(cfg, training=False)
-    if cfg.split not in SPLIT_RUNS:
+    if cfg.split not in ("val", "test"):
         raise ConfigError(f"split={cfg.split!r} is unknown: use split=val or split=test")
     limit = f"limit_{cfg.split}_batches"
     if cfg.trainer.get(limit) == 0:
@@ -64,11 +68,8 @@ def scores(
         too_long = budgets_past_the_tables(list(cfg.patch_budgets), datamodule, model.net, cfg.split)
         if too_long:
             first = next(iter(too_long))
-            raise ConfigError(
-                f"patch_budgets: at {first} an image of the {cfg.split} split is {too_long[first]} patches "
-                f"long, past model.net.max_grid={model.net.pos_embed.max_grid} (the network's position "
-                f"tables): leave out {', '.join(map(str, too_long))}"
-            )
+            image = past_the_tables(f"an image of the {cfg.split} split", too_long[first], model.net)
+            raise ConfigError(f"patch_budgets: at {first} {image}: leave out {', '.join(map(str, too_long))}")
         with explain_collective_failure(trainer):
             results = accuracy_across_budgets(
                 trainer, model, datamodule, list(cfg.patch_budgets), cfg.split, cfg.ckpt_path
@@ -78,7 +79,7 @@ def scores(
     # Counted as logged, over every rank: under ddp_spawn this process never sets the data up.
     trainer.callbacks.append(EvalCounter())
     with explain_collective_failure(trainer):
-        getattr(trainer, SPLIT_RUNS[cfg.split])(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        getattr(trainer, SPLIT_STAGES[cfg.split])(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
     rank_zero_info(
         f"{cfg.split} accuracy: {metrics[f'{cfg.split}/acc']:.4f} on {metrics[f'{cfg.split}/images']:.0f} "

@@ -19,7 +19,7 @@ from navit_lightning import CONFIG_DIR
 from navit_lightning.data.folder import IMAGE_SUFFIXES, image_files_under
 from navit_lightning.data.index import SURROGATES
 from navit_lightning.errors import ConfigError, DataError
-from navit_lightning.resolution import budgets_past_the_tables
+from navit_lightning.resolution import budgets_past_the_tables, past_the_tables
 from navit_lightning.utils.checkpoints import (
     build_from_checkpoint,
     data_for,
@@ -145,11 +145,9 @@ def predict(cfg: DictConfig) -> Path:
     datamodule.evaluate_at(None if budget is None else [budget])
     too_long = budgets_past_the_tables([budget], datamodule, model.net, "predict")
     if too_long:
-        raise ConfigError(
-            f"at patch_budget={budget or datamodule.train_policy.max_patches} an input image is "
-            f"{too_long[budget]} patches long, past model.net.max_grid={model.net.pos_embed.max_grid} "
-            "(the network's position tables): give a smaller patch_budget"
-        )
+        at = f"at patch_budget={budget or datamodule.train_policy.max_patches}"
+        image = past_the_tables("an input image", too_long[budget], model.net)
+        raise ConfigError(f"{at} {image}: give a smaller patch_budget")
     with explain_collective_failure(trainer):
         trainer.predict(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, return_predictions=False)
     return output

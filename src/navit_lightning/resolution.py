@@ -106,7 +106,7 @@ class EvalCounter(L.Callback):
             )
 
 
-# the Trainer stage that sets a split up
+# the Trainer stage that sets a split up, and the Trainer method that runs it
 SPLIT_STAGES = {"val": "validate", "test": "test", "predict": "predict"}
 
 
@@ -124,6 +124,14 @@ def budgets_past_the_tables(
     return {budget: length for budget, length in longest.items() if length > net.pos_embed.max_grid}
 
 
+def past_the_tables(image: str, length: int, net: Any) -> str:
+    """Why an image `length` patches long cannot be evaluated, `image` naming it."""
+    return (
+        f"{image} is {length} patches long, past model.net.max_grid={net.pos_embed.max_grid} "
+        "(the network's position tables)"
+    )
+
+
 def budgets_that_fit(budgets: list[int], datamodule: Any, net: Any, split: str) -> list[int]:
     """`budgets` but those past the position tables, named in a warning: train.py's sweep
     after a whole fit leaves them out rather than fail there."""
@@ -131,9 +139,9 @@ def budgets_that_fit(budgets: list[int], datamodule: Any, net: Any, split: str) 
     if too_long:
         first = next(iter(too_long))
         rank_zero_warn(
-            f"patch_budgets {list(too_long)} left out: at {first} an image of the {split} split is "
-            f"{too_long[first]} patches long, past model.net.max_grid={net.pos_embed.max_grid} "
-            "(the position tables; fractional positions have no such bound)"
+            f"patch_budgets {list(too_long)} left out: at {first} "
+            f"{past_the_tables(f'an image of the {split} split', too_long[first], net)}; fractional "
+            "positions have no such bound"
         )
     return [budget for budget in budgets if budget not in too_long]
 
@@ -149,7 +157,7 @@ def accuracy_across_budgets(
     """Evaluate `split` once, with a loader per patch budget, each image at its own aspect
     ratio scaled to at most that many patches; `ckpt_path`, if given, is loaded first. One
     evaluation for all budgets: under ddp_spawn every evaluation starts the ranks anew."""
-    run_split = {"val": trainer.validate, "test": trainer.test}[split]
+    run_split = getattr(trainer, SPLIT_STAGES[split])
     counter = EvalCounter()
     # The per-budget metrics stay out of the run's loggers (they would log at step 0):
     # report() logs them with the budget as the step.
