@@ -20,9 +20,14 @@ def require_positive(prefix: str, **settings: float | None) -> None:
             raise ConfigError(f"{prefix}.{name}={value} must be above 0")
 
 
+def is_count(value: object) -> bool:
+    """A whole number above 0 (not a bool, which Python counts as one)."""
+    return isinstance(value, Integral) and not isinstance(value, bool) and value >= 1
+
+
 def require_counts(prefix: str, **settings: int | None) -> None:
     """require_positive of whole numbers: a count of 1.5 (data.rows=1.5) failed mid-setup
     with a TypeError from deep inside."""
     for name, value in settings.items():
-        if value is not None and (not isinstance(value, Integral) or isinstance(value, bool) or value < 1):
+        if value is not None and not is_count(value):
             raise ConfigError(f"{prefix}.{name}={value} must be a whole number above 0")

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from navit_lightning import CONFIG_DIR
 from navit_lightning.data.folder import IMAGE_SUFFIXES, image_files_under
 from navit_lightning.data.index import SURROGATES
-from navit_lightning.errors import ConfigError, DataError
+from navit_lightning.errors import ConfigError, DataError, is_count
 from navit_lightning.resolution import budgets_past_the_tables, past_the_tables
 from navit_lightning.utils.checkpoints import (
     build_from_checkpoint,
@@ -30,10 +30,6 @@ from navit_lightning.utils.entry_point import launch, run_task
 from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.shutdown import explain_collective_failure
 from navit_lightning.utils.validate import check_launch
-
-
-def is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def image_files(input_path: Path) -> list[Path]:

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from navit_lightning import CONFIG_DIR
-from navit_lightning.errors import ConfigError, require_counts
+from navit_lightning.errors import ConfigError, is_count, require_counts
 from navit_lightning.utils.checkpoints import CKPT_PATH_EXAMPLE, LIGHTNING_CKPT_NAMES, read_checkpoint
 from navit_lightning.utils.instantiate import dotted_settings
 from navit_lightning.utils.launch import in_sweep
@@ -178,7 +178,7 @@ def check_seed(seed: object) -> None:
 def check_training_numbers(trainer: DictConfig) -> None:
     """What Lightning takes and then fails on mid-fit, in every rank, or trains wrongly with."""
     accumulate = trainer.get("accumulate_grad_batches", 1)
-    if not isinstance(accumulate, int) or accumulate < 1:
+    if not is_count(accumulate):
         raise ConfigError(f"trainer.accumulate_grad_batches={accumulate} must be 1 (no accumulation) or more")
     if str(trainer.precision) == "16-true":
         raise ConfigError(
