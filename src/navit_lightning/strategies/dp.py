@@ -98,13 +98,12 @@ class RowParallel(nn.Module):
 
 class PackedDataParallelStrategy(ParallelStrategy):
     """One process, `trainer.devices` GPUs: the batch (data.rows x devices rows) is split by
-    rows over replicas of `lightning_module.<module_name>`; everything else runs once."""
+    rows over replicas of `lightning_module.net`; everything else runs once."""
 
     strategy_name = "packed_dp"
 
-    def __init__(self, module_name: str = "net", **kwargs: Any) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.module_name = module_name
         self._row_parallel: RowParallel | None = None
 
     @property
@@ -144,19 +143,18 @@ class PackedDataParallelStrategy(ParallelStrategy):
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        net = getattr(self.lightning_module, self.module_name)
-        self._row_parallel = RowParallel(net, self.parallel_devices)
+        self._row_parallel = RowParallel(self.lightning_module.net, self.parallel_devices)
 
     @contextmanager
     def _rows_over_devices(self) -> Iterator[None]:
         """For one step, `lightning_module.net` is the row-parallel wrapper around itself."""
         module = self.lightning_module
-        net = getattr(module, self.module_name)
-        setattr(module, self.module_name, self._row_parallel)
+        net = module.net
+        module.net = self._row_parallel
         try:
             yield
         finally:
-            setattr(module, self.module_name, net)
+            module.net = net
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context(), self._rows_over_devices():
