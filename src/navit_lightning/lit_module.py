@@ -202,7 +202,7 @@ class NaViTClassifier(L.LightningModule):
 
     def forward(self, batch: PackedBatch, index: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (N, classes) of the batch's N images, in row-major slot order; `index`: their
-        flat slot index (packing.image_index), found here when not given."""
+        flat slot index (batch.image_index), found here when not given."""
         index = image_index(batch) if index is None else index
         features = self.net(batch)  # (R, K, dim)
         # The head sees only real images: BatchNorm statistics must not count empty slots.

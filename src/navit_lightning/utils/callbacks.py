@@ -1,4 +1,6 @@
-"""Callbacks that the Hydra entry points add themselves."""
+"""The project's callbacks that configs/callbacks/ names, and StoreRunConfig, which train.py
+adds itself (as it adds StopTogetherOnSigterm, from utils/shutdown.py; eval.py and predict.py
+add theirs from resolution.py and predict.py)."""
 
 from __future__ import annotations
 
