@@ -54,7 +54,7 @@ NODE_LAUNCHERS = (
 
 
 def check_launch(cfg: DictConfig, training: bool = True) -> None:
-    """training=False (eval.py): the model, and so its attention backend, comes from the
+    """training=False (eval.py, predict.py): the model, and so its attention backend, comes from the
     checkpoint later."""
     check_required(cfg)
     for group, fix in (
