@@ -59,6 +59,12 @@ def run_whole(command: str | list[str], *, timeout: float, **popen) -> subproces
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
+def run_folder(root: Path, task: str = "train") -> Path:
+    """The one run folder that `task` (train, eval, predict) left in root's logs."""
+    (run,) = (root / "logs" / task / "runs").iterdir()
+    return run
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

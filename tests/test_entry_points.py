@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import EarlyStopping
 from torch.utils.data import DataLoader
 
 from navit_lightning.utils.callbacks import StopEarly
-from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, logged_scalars
+from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, logged_scalars, run_folder
 from tests.test_configs import compose_train
 from tests.test_lit_module import bare_trainer, make_batch, make_model
 
@@ -54,7 +54,7 @@ def assert_sane_rates(output: str) -> None:
 
 def test_train_then_eval_reports_accuracy(run_entry_point):
     train = run_entry_point("train.py", *TINY_RUN)
-    run = only((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    run = run_folder(run_entry_point.root)
     assert_run_folder(run)
     output = train.stdout + train.stderr
     assert "training batches per rank: [" in output
@@ -111,7 +111,7 @@ def test_debug_fdr_runs_a_batch_of_each_stage_and_writes_nothing_but_hydras_own(
     """It ran the sweep of patch budgets too: four more evaluations, and their csv and figure."""
     result = run_entry_point("train.py", *TINY_RUN, "debug=fdr")
     assert "Running in `fast_dev_run` mode" in result.stdout + result.stderr
-    run = only((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    run = run_folder(run_entry_point.root)
     assert sorted(path.name for path in run.iterdir()) == [".hydra", "train.log"]
 
 
@@ -140,7 +140,7 @@ def test_ddp_on_cpu_with_the_default_callbacks(run_entry_point, strategy, device
     for noise in ("sync_dist=True", "is deprecated"):
         assert noise not in output, noise
     # Split evenly: every rank ran the same number of batches.
-    run = only((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    run = run_folder(run_entry_point.root)
     assert_written_once_by_rank_zero(run, ranks=devices)
 
 
@@ -156,7 +156,7 @@ def test_early_stopping_stops_every_ddp_rank_after_the_same_epoch(run_entry_poin
         "trainer.max_epochs=4",
     ]
     result = run_entry_point(*command)
-    run = only((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    run = run_folder(run_entry_point.root)
     assert_written_once_by_rank_zero(run)
     output = result.stdout + result.stderr
     stopped = "Monitored metric val/acc did not improve in the last 1 records"
@@ -207,7 +207,7 @@ def test_ema_weights_are_saved_and_tested_as_eval_py_tests_them(run_entry_point)
     beside it, for a resume), and train.py's test of the best checkpoint reads what eval.py
     reads there (Lightning's own callback tested the trained weights)."""
     run_entry_point("train.py", *TINY_RUN, *DDP_TWO_RANKS, "callbacks=ema", "callbacks.ema.decay=0.9")
-    run = only((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    run = run_folder(run_entry_point.root)
     assert_written_once_by_rank_zero(run)
     best = only((run / "checkpoints").glob("epoch_*.ckpt"))
     checkpoint = torch.load(best, weights_only=True)
@@ -216,7 +216,7 @@ def test_ema_weights_are_saved_and_tested_as_eval_py_tests_them(run_entry_point)
     assert not all(torch.equal(average[name], trained[name]) for name in average)
     tested = logged_scalars(run / "tensorboard")["test/loss"][-1][1]
     run_entry_point("eval.py", f"ckpt_path={best}")
-    evaluation = only((run_entry_point.root / "logs" / "eval" / "runs").iterdir())
+    evaluation = run_folder(run_entry_point.root, "eval")
     assert logged_scalars(evaluation / "tensorboard")["test/loss"][-1][1] == pytest.approx(tested, rel=1e-5)
 
 
@@ -285,7 +285,7 @@ def test_torchrun_two_processes_on_cpu(run_entry_point):
         *DDP_TWO_RANKS,
         launcher=torchrun,
     )
-    assert_written_once_by_rank_zero(only((run_entry_point.root / "logs" / "train" / "runs").iterdir()))
+    assert_written_once_by_rank_zero(run_folder(run_entry_point.root))
 
 
 def test_same_seed_same_command_same_losses(run_entry_point):

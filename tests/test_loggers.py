@@ -9,14 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_RUN, logged_scalars
+from tests.conftest import TINY_RUN, logged_scalars, run_folder
 
 pytestmark = pytest.mark.slow
-
-
-def run_folder(root: Path, task: str = "train") -> Path:
-    (run,) = (root / "logs" / task / "runs").iterdir()
-    return run
 
 
 def console_count(result: subprocess.CompletedProcess, pattern: str) -> int:

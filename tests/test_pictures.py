@@ -15,7 +15,7 @@ from navit_lightning.data.packing import pack
 from navit_lightning.data.transforms import image_to_sample
 from navit_lightning.pictures import confusion_figure, packed_batch_figure, unpack_images
 from navit_lightning.train import build
-from tests.conftest import TINY_RUN, logged_scalars
+from tests.conftest import TINY_RUN, logged_scalars, run_folder
 from tests.test_configs import compose_train
 
 
@@ -36,7 +36,7 @@ def test_unpacked_images_are_the_packed_ones_pixel_for_pixel():
 @pytest.mark.slow
 def test_a_short_default_run_shows_pictures_and_hparams(run_entry_point):
     run_entry_point("train.py", *TINY_RUN, "trainer.max_epochs=2")
-    run = next((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    run = run_folder(run_entry_point.root)
     events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0})
     events.Reload()
     images = {tag: [event.step for event in events.Images(tag)] for tag in events.Tags()["images"]}

@@ -11,7 +11,7 @@ from PIL import Image
 
 from navit_lightning.data.folder import image_files_under
 from navit_lightning.data.shapes import CLASSES
-from tests.conftest import DDP_TWO_RANKS, TINY_RUN
+from tests.conftest import DDP_TWO_RANKS, TINY_RUN, run_folder
 from tests.test_bad_input import make_messy_folder
 from tests.test_resolution import accuracy_lines
 
@@ -23,7 +23,7 @@ BROKEN = ["a/truncated.png", "a/truncated.jpg", "b/garbage.jpg", "b/empty.png"]
 @pytest.fixture
 def trained(run_entry_point):
     run_entry_point("train.py", *TINY_RUN, "patch_budgets=null")
-    run = next((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    run = run_folder(run_entry_point.root)
     return run / "checkpoints" / "last.ckpt"
 
 

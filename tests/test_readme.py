@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, TINY_RUN, TINY_SHAPES, free_port, run_whole
+from tests.conftest import REPO, TINY_RUN, TINY_SHAPES, free_port, run_folder, run_whole
 from tests.test_entry_points import assert_sane_rates, assert_written_once_by_rank_zero
 
 pytestmark = pytest.mark.slow
@@ -144,7 +144,7 @@ def readme_root(project_root: Path, tmp_path_factory: pytest.TempPathFactory) ->
     root = tmp_path_factory.mktemp("readme")
     (root / "data").symlink_to(project_root / "data")
     shell(f"python {REPO}/train.py {shlex.join(SHRINK_TRAINING)}", root, root)
-    run = next((root / "logs" / "train" / "runs").iterdir()).name
+    run = run_folder(root).name
     return root, run
 
 

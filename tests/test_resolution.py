@@ -8,7 +8,7 @@ import pytest
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.models import NaViT
 from navit_lightning.resolution import budgets_that_fit, label_and_path, main, read_results
-from tests.conftest import TINY_RUN, TINY_SPEC, logged_scalars
+from tests.conftest import TINY_RUN, TINY_SPEC, logged_scalars, run_folder
 
 
 def accuracy_lines(output: str, split: str) -> dict[int, float]:
@@ -25,7 +25,7 @@ def test_training_ends_with_accuracy_across_resolutions_and_eval_py_agrees(run_e
     fit's sanity check and each image twice."""
     spawned = ["trainer.accelerator=cpu", "trainer.devices=2", "strategy=ddp_spawn"]
     run_entry_point("train.py", *TINY_RUN, *spawned)
-    run = next((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    run = run_folder(run_entry_point.root)
     trained = read_results(run / "resolution_accuracy.csv")
     assert [result.patch_budget for result in trained] == [9, 16, 36, 64]
     assert (run / "resolution_accuracy.png").stat().st_size > 10_000
@@ -85,7 +85,7 @@ def test_a_run_without_validation_skips_the_sweep_with_a_line(run_entry_point):
     validations logged no accuracy."""
     result = run_entry_point("train.py", *TINY_RUN, "trainer.limit_val_batches=0")
     assert "patch_budgets skipped: trainer.limit_val_batches=0" in result.stdout + result.stderr
-    run = next((run_entry_point.root / "logs" / "train" / "runs").iterdir())
+    run = run_folder(run_entry_point.root)
     assert not (run / "resolution_accuracy.csv").exists()
 
 
