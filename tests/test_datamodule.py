@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import hydra
 import lightning as L
@@ -156,6 +157,15 @@ def shapes_datamodule(project_root: Path, **options) -> PackedImageDataModule:
     return PackedImageDataModule(
         str(project_root / "data" / "shapes"), patch_size=16, max_patches=64, rows=4, row_len=64, **options
     )
+
+
+def test_an_optimizer_step_takes_the_tokens_of_every_rank_and_accumulated_batch(project_root):
+    """The effective batch that model.lr_scaling scales the rate to: 4 rows x 64 tokens a
+    batch, on 2 ranks, 3 batches accumulated."""
+    datamodule = shapes_datamodule(project_root, num_workers=0)
+    assert datamodule.step_tokens() == 4 * 64
+    datamodule.trainer = SimpleNamespace(world_size=2, accumulate_grad_batches=3, strategy=None)
+    assert datamodule.step_tokens() == 2 * 3 * 4 * 64
 
 
 def test_an_evaluation_across_patch_budgets_has_a_loader_per_budget(project_root):

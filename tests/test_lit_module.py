@@ -263,8 +263,9 @@ def one_step_trainer(accumulate_grad_batches: int) -> L.Trainer:
 
 
 def test_accumulated_batches_make_one_mean_over_the_steps_images(project_root):
-    """Two accumulated batches of unequal image counts: one SGD step moves the weights by the
-    gradient of the mean loss over their images, not by the mean of the two batch means."""
+    """Two accumulated batches of unequal image counts: each SGD step moves the weights by the
+    gradient of the mean loss over its images, not by the mean of the two batch means; the
+    second step counts its own images only."""
     torch.manual_seed(0)
     net = NaViT(patch_size=16, dim=32, depth=1, heads=2, max_grid=64)
     model = NaViTClassifier(net, num_classes=6, optimizer=partial(torch.optim.SGD, lr=1.0))
@@ -277,15 +278,19 @@ def test_accumulated_batches_make_one_mean_over_the_steps_images(project_root):
 
     datamodule = small_images()
     datamodule.setup("fit")
-    first, second = batches = list(datamodule.train_dataloader())[:2]  # epoch 0's, as the fit's
-    assert first.num_images != second.num_images  # else both means are the same
-    summed = [image_loss(reference(b), b.labels[b.image_slots]) * b.num_images for b in batches]
-    (sum(summed) / sum(batch.num_images for batch in batches)).backward()
+    batches = list(datamodule.train_dataloader())[:4]  # epoch 0's, as the fit's
+    for step in (batches[:2], batches[2:]):
+        assert step[0].num_images != step[1].num_images  # else both means are the same
+        reference.zero_grad()
+        summed = [image_loss(reference(b), b.labels[b.image_slots]) * b.num_images for b in step]
+        (sum(summed) / sum(batch.num_images for batch in step)).backward()
+        with torch.no_grad():
+            torch._foreach_sub_(list(reference.parameters()), [p.grad for p in reference.parameters()])
 
-    trainer = one_step_trainer(accumulate_grad_batches=2)
+    trainer = bare_trainer(max_steps=2, accumulate_grad_batches=2, limit_val_batches=0)
     trainer.fit(model, datamodule=small_images())
-    for (name, moved), before in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(moved, before - before.grad, atol=1e-6, rtol=1e-4, msg=name)
+    for (name, moved), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(moved, expected, atol=1e-6, rtol=1e-4, msg=name)
 
 
 @pytest.mark.parametrize(("rule", "exponent"), [("sqrt", 0.5), ("linear", 1.0), (None, 0.0)])

@@ -7,6 +7,7 @@ from navit_lightning.bench.profile import peak_host_bytes
 from navit_lightning.data.packing import pack
 from navit_lightning.models import NaViT
 from navit_lightning.models.navit import PatchEmbed
+from navit_lightning.models.pos_embed import FactorizedPosEmbed
 from tests.test_packing import PATCH_DIM, make_sample
 
 SHAPE = PackedShape(rows=3, row_len=40, max_images=4)
@@ -79,6 +80,24 @@ def test_padding_never_leaks_and_gradients_are_finite(attention):
     loss = net(batch)[batch.labels >= 0].sum() + net(empty).sum() * 0
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in net.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize(
+    "fractional, expected_rows, expected_columns",
+    # a 4x2 grid of an 8-entry table: absolute indexes by the coordinate itself; fractional
+    # by coordinate / side x 8, so that the image spans the table (0, 2, 4, 6 and 0, 4)
+    [(False, [0, 1, 2, 3], [0, 1]), (True, [0, 2, 4, 6], [0, 4])],
+)
+def test_a_token_at_row_y_column_x_gets_row_table_y_plus_column_table_x(
+    fractional, expected_rows, expected_columns
+):
+    embed = FactorizedPosEmbed(dim=16, max_grid=8, fractional=fractional)
+    coords = torch.cartesian_prod(torch.arange(4), torch.arange(2))  # (8, 2): (row, column)
+    grid = torch.tensor([4, 2]).expand(len(coords), 2)
+    expected = torch.stack(
+        [embed.y[expected_rows[y]] + embed.x[expected_columns[x]] for y, x in coords.tolist()]
+    )
+    torch.testing.assert_close(embed(coords, grid), expected, rtol=0, atol=0)
 
 
 def test_absolute_positions_beyond_the_table_are_refused():

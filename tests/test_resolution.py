@@ -75,6 +75,9 @@ def test_budgets_past_the_position_tables_are_left_out_before_the_sweep(project_
         UserWarning, match=r"patch_budgets \[64\] left out: at 64 an image of the val split is"
     ):
         assert budgets_that_fit([9, 36, 64], datamodule, net, "val") == fitting
+    # tables exactly as long as the longest image: every budget fits
+    exact = NaViT(patch_size=16, dim=32, depth=1, heads=2, max_grid=longest[64])
+    assert budgets_that_fit([9, 36, 64], datamodule, exact, "val") == [9, 36, 64]
     fractional = NaViT(patch_size=16, dim=32, depth=1, heads=2, max_grid=9, fractional_pos=True)
     assert budgets_that_fit([9, 36, 64], datamodule, fractional, "val") == [9, 36, 64]
 

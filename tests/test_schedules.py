@@ -28,6 +28,8 @@ def test_warm_up_then_cosine_to_the_floor():
     assert rates[2] == rates[1]  # the cosine starts at the base rate
     assert all(later < earlier for earlier, later in itertools.pairwise(rates[2:]))
     assert rates[20] == pytest.approx(1e-5)  # min_lr_ratio x base
+    # past the total (an epoch packed into more batches than Lightning estimated) it stays there
+    assert rates_over(20, 26)[0][20:] == pytest.approx([1e-5] * 6)
 
 
 def test_a_resumed_run_goes_on_along_its_own_schedule():

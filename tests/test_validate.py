@@ -139,6 +139,8 @@ def test_eval_and_predict_refuse_what_they_miss(task, overrides, message):
         (0, ["optimizer.fused=true"]),
         (0, ["trainer.gradient_clip_val=null", "trainer.accumulate_grad_batches=4", "model.scheduler=null"]),
         (0, ["optimizer._target_=torch.optim.SGD", "~optimizer.betas", "+optimizer.momentum=0.9"]),
+        (0, ["trainer.gradient_clip_val=0", "seed=0"]),  # no clipping, as Lightning takes it
+        (0, ["seed=4294967295"]),  # the largest numpy takes
         (2, ["optimizer.fused=true", "trainer.precision=bf16-mixed", "trainer.gradient_clip_val=null"]),
     ],
 )
