@@ -5,6 +5,7 @@ from einops import rearrange
 from navit_lightning.batch import PackedBatch, PackedShape
 from navit_lightning.bench.profile import peak_host_bytes
 from navit_lightning.data.packing import pack
+from navit_lightning.errors import ConfigError
 from navit_lightning.models import NaViT
 from navit_lightning.models.navit import PatchEmbed
 from navit_lightning.models.pos_embed import FactorizedPosEmbed
@@ -98,6 +99,20 @@ def test_a_token_at_row_y_column_x_gets_row_table_y_plus_column_table_x(
         [embed.y[expected_rows[y]] + embed.x[expected_columns[x]] for y, x in coords.tolist()]
     )
     torch.testing.assert_close(embed(coords, grid), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        # Hydra reads `no` and `off` as strings, which Python takes as true
+        (dict(fractional_pos="no"), "model.net.fractional_pos=no must be true or false"),
+        (dict(qk_norm="off"), "model.net.qk_norm=off must be true or false"),
+        (dict(mlp_ratio=0.01), "model.net.mlp_ratio=0.01 gives each block's MLP 0 hidden units"),
+    ],
+)
+def test_settings_that_would_build_another_network_silently_are_refused(setting, message):
+    with pytest.raises(ConfigError, match=message):
+        make_net(**setting)
 
 
 def test_absolute_positions_beyond_the_table_are_refused():

@@ -328,6 +328,7 @@ def test_a_constructor_failing_otherwise_keeps_its_traceback():
         (["trainer.strategy=foo"], "trainer.strategy=foo is unknown"),
         (["~logger"], "callbacks.learning_rate_monitor needs a logger"),
         (["logger=null"], "logger=null: Hydra cannot set a config group to null; ~logger removes it"),
+        (["model.compile=off"], "model.compile=off must be true or false"),
         (["data.max_patches=200"], "data.max_patches=200 exceeds data.row_len=144"),
         (["model.head=mlp"], "model.head='mlp' is unknown: use one of ['bn_mlp', 'linear']"),
         (["model.net.attention=dense"], "model.net.attention='dense' is unknown"),

@@ -31,3 +31,11 @@ def require_counts(prefix: str, **settings: int | None) -> None:
     for name, value in settings.items():
         if value is not None and not is_count(value):
             raise ConfigError(f"{prefix}.{name}={value} must be a whole number above 0")
+
+
+def require_flags(prefix: str, **settings: bool) -> None:
+    """Refuse the first of `settings` that is not true or false: Hydra reads `no` and `off`
+    as strings, which Python takes as true (model.compile=off compiled)."""
+    for name, value in settings.items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"{prefix}.{name}={value} must be true or false")

@@ -16,7 +16,7 @@ from torchmetrics import MaxMetric, Metric
 from torchmetrics.classification import MulticlassConfusionMatrix
 
 from navit_lightning.batch import IGNORE_LABEL, PackedBatch, image_index
-from navit_lightning.errors import ConfigError
+from navit_lightning.errors import ConfigError, require_flags
 from navit_lightning.models import NaViT, build_head
 from navit_lightning.utils.schedules import check_lr_scaling, lr_scale
 
@@ -156,6 +156,7 @@ class NaViTClassifier(L.LightningModule):
     ) -> None:
         super().__init__()
         check_lr_scaling(lr_scaling, lr_reference_tokens)
+        require_flags("model", compile=compile)
         self.net = net
         self.head = build_head(head, net.num_features, num_classes)
         self.num_classes = num_classes

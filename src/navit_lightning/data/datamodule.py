@@ -35,7 +35,7 @@ from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
 from navit_lightning.data.shards import load_shards, shard_classes
 from navit_lightning.data.transforms import fit_grids
 from navit_lightning.data.workers import exit_with_process, start_context
-from navit_lightning.errors import ConfigError, DataError, require_counts
+from navit_lightning.errors import ConfigError, DataError, require_counts, require_flags
 
 # What one optimizer step consumes, logged at the start of training (see _report_effective_batch).
 EFFECTIVE_BATCH_METRICS = ("effective_batch/tokens", "effective_batch/images")
@@ -121,6 +121,13 @@ class PackedImageDataModule(L.LightningDataModule):
             row_len=row_len,
             max_images_per_row=max_images_per_row,
             lookahead=lookahead,
+        )
+        require_flags(
+            "data",
+            token_drop_by_resolution=token_drop_by_resolution,
+            pin_memory=pin_memory,
+            split_by_path=split_by_path,
+            shards=shards,
         )
         if num_workers is not None and num_workers < 0:
             raise ConfigError(f"data.num_workers={num_workers} must be 0 (load in this process) or more")

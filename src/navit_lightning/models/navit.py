@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from navit_lightning.batch import PackedBatch
-from navit_lightning.errors import ConfigError, require_counts, require_positive
+from navit_lightning.errors import ConfigError, require_counts, require_flags, require_positive
 from navit_lightning.models.attention import (
     Attention,
     Backend,
@@ -110,9 +110,17 @@ class NaViT(nn.Module):
             max_grid=max_grid,
         )
         require_positive("model.net", mlp_ratio=mlp_ratio)
+        require_flags(
+            "model.net", qk_norm=qk_norm, fractional_pos=fractional_pos, grad_checkpointing=grad_checkpointing
+        )
         self.num_features = dim
         self.patch_dim = patch_size * patch_size * channels
         self.mlp_hidden = int(dim * mlp_ratio)
+        if self.mlp_hidden < 1:
+            raise ConfigError(
+                f"model.net.mlp_ratio={mlp_ratio} gives each block's MLP {self.mlp_hidden} hidden units "
+                f"at model.net.dim={dim}: raise it to at least {1 / dim:.3g}"
+            )
         self.attention = check_backend_name(attention)
         self.grad_checkpointing = grad_checkpointing
         self.patch_size = patch_size
