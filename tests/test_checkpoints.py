@@ -66,6 +66,17 @@ def test_resuming_another_network_other_classes_or_an_ema_run_without_ema_is_ref
         check_resumable(
             *built_model("model.num_classes=3", "model.net.dim=64", "optimizer.lr=1e-2"), path, True, classes
         )
+    # the same tensors, each position-table row another position; how it runs may change
+    with pytest.raises(ConfigError, match=re.escape("(model.net.fractional_pos=False there, True here)")):
+        check_resumable(
+            *built_model("model.num_classes=3", "model.net.fractional_pos=true"), path, True, classes
+        )
+    check_resumable(
+        *built_model("model.num_classes=3", "model.net.attention=sdpa", "model.net.grad_checkpointing=true"),
+        path,
+        False,
+        classes,
+    )
     # the cat folder renamed: the same number of classes, each label after it shifted
     with pytest.raises(ConfigError, match=re.escape("(1 not trained on: kitty; 1 missing: cat): use data")):
         check_resumable(model, config, path, False, ["bird", "dog", "kitty"])
@@ -112,6 +123,9 @@ def test_init_from_loads_the_network_and_the_head_only_for_the_same_classes(tmp_
         ),
     ):
         load_initial_weights(other, config, path, ["a", "b", "c", "d"])
+    other, config = built_model("model.num_classes=3", "model.net.fractional_pos=true")
+    with pytest.raises(ConfigError, match=re.escape("(model.net.fractional_pos=False there, True here)")):
+        load_initial_weights(other, config, path, ["a", "b", "c"])
 
 
 def test_eval_on_a_data_group_takes_its_images_with_the_runs_sizes_and_what_the_command_sets(tmp_path):

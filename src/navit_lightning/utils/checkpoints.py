@@ -200,10 +200,11 @@ def check_resumable(
     on from the average, which the checkpoint holds as its weights, and drop the trained
     weights saved beside it)."""
     checkpoint = read_checkpoint(ckpt_path)
-    if tensor_shapes(checkpoint["state_dict"]) != tensor_shapes(model.state_dict()):
+    network_changes = setting_changes(checkpoint, model_config, "model.net.")
+    if network_changes or tensor_shapes(checkpoint["state_dict"]) != tensor_shapes(model.state_dict()):
         raise ConfigError(
             f"ckpt_path={ckpt_path} holds another network "
-            f"({setting_changes(checkpoint, model_config, 'model.')}): "
+            f"({'; '.join(setting_changes(checkpoint, model_config, 'model.')) or 'other tensors'}): "
             "resume with the settings it was trained with, or leave ckpt_path out to start afresh"
         )
     check_same_classes(class_names, run_class_names(checkpoint), ckpt_path)
@@ -225,10 +226,10 @@ def load_initial_weights(
     checkpoint = read_checkpoint(init_from, key="init_from")
     saved = checkpoint["state_dict"]
     parts = {name: part_state(saved, name) for name in ("net", "head")}
-    if tensor_shapes(parts["net"]) != tensor_shapes(model.net.state_dict()):
+    network_changes = setting_changes(checkpoint, model_config, "model.net.")
+    if network_changes or tensor_shapes(parts["net"]) != tensor_shapes(model.net.state_dict()):
         raise ConfigError(
-            f"init_from={init_from} holds another network "
-            f"({setting_changes(checkpoint, model_config, 'model.net.')}): "
+            f"init_from={init_from} holds another network ({'; '.join(network_changes) or 'other tensors'}): "
             "start with the model.net settings it was trained with"
         )
     model.net.load_state_dict(parts["net"])
@@ -252,21 +253,28 @@ def tensor_shapes(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in state.items()}
 
 
-# model.* settings that do not shape the network
-TRAINING_SETTINGS = ("model.optimizer", "model.scheduler", "model.lr_")
+# model.* settings that leave what the network computes as it was: how it trains, and how
+# it runs (model.net.fractional_pos, for one, keeps every tensor's shape and not its meaning)
+NOT_THE_NETWORK = (
+    "model.optimizer",
+    "model.scheduler",
+    "model.lr_",
+    "model.compile",
+    "model.net.attention",
+    "model.net.grad_checkpointing",
+)
 
 
-def setting_changes(checkpoint: dict[str, Any], model_config: DictConfig, within: str) -> str:
-    """'model.net.dim=32 there, 64 here; ...': the settings under `within` (the optimizer's
-    and schedule's left out) in which a checkpoint's run and this one differ."""
+def setting_changes(checkpoint: dict[str, Any], model_config: DictConfig, within: str) -> list[str]:
+    """['model.net.dim=32 there, 64 here', ...]: the settings under `within` (but those
+    NOT_THE_NETWORK) in which a checkpoint's run and this one differ."""
     saved = dotted_settings(checkpoint["run_config"].get("model", {}), "model.")
     now = dotted_settings(OmegaConf.to_container(model_config, resolve=True), "model.")
-    changed = [
+    return [
         f"{key}={saved.get(key)} there, {now.get(key)} here"
         for key in sorted(saved.keys() | now.keys())
-        if key.startswith(within) and not key.startswith(TRAINING_SETTINGS) and saved.get(key) != now.get(key)
+        if key.startswith(within) and not key.startswith(NOT_THE_NETWORK) and saved.get(key) != now.get(key)
     ]
-    return "; ".join(changed) or "other tensors"
 
 
 def check_same_classes(data_names: list[str], run_names: list[str], ckpt_path: str | Path) -> None:
