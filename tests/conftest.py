@@ -92,7 +92,8 @@ def project_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def run_entry_point(project_root: Path, tmp_path: Path):
-    """Run train.py or eval.py in a subprocess with logs under a fresh PROJECT_ROOT."""
+    """Run train.py or eval.py in a subprocess with logs under a fresh PROJECT_ROOT, from
+    there unless `cwd` is given."""
     (tmp_path / "data").symlink_to(project_root / "data")
 
     def run(
@@ -102,10 +103,11 @@ def run_entry_point(project_root: Path, tmp_path: Path):
         launcher: tuple[str, ...] = (sys.executable,),
         timeout: float = 300,
         env: dict[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> subprocess.CompletedProcess:
         env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "HYDRA_FULL_ERROR": "1", **(env or {})}
         result = run_whole(
-            [*launcher, str(REPO / script), *overrides], cwd=tmp_path, env=env, timeout=timeout
+            [*launcher, str(REPO / script), *overrides], cwd=cwd or tmp_path, env=env, timeout=timeout
         )
         assert result.returncode == 0 or not check, (
             f"{script} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"

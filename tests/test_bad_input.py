@@ -19,7 +19,7 @@ from navit_lightning.data.packing import PackCollate
 from navit_lightning.data.sampler import SizePolicy
 from navit_lightning.data.transforms import image_to_sample, to_rgb, upright_size
 from navit_lightning.errors import DataError
-from tests.conftest import TINY_TRAINING
+from tests.conftest import TINY_TRAINING, run_folder
 
 CORRUPT = Path(__file__).parent / "data" / "corrupt"
 
@@ -336,13 +336,13 @@ def test_a_class_of_only_unreadable_files_is_refused_at_setup(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_on_a_messy_folder_to_the_end(run_entry_point, tmp_path):
-    root = make_messy_folder(tmp_path / "messy")
+def test_train_on_a_messy_folder_to_the_end_and_evaluate_it_from_elsewhere(run_entry_point, tmp_path):
+    make_messy_folder(tmp_path / "messy")
     result = run_entry_point(
         "train.py",
         *TINY_TRAINING,
         "data=imagefolder",
-        f"data.root={root}",
+        "data.root=messy",  # from the folder the command runs in
         "data.val_fraction=0.25",
         "data.max_patches=64",
         "data.row_len=64",
@@ -358,6 +358,21 @@ def test_train_on_a_messy_folder_to_the_end(run_entry_point, tmp_path):
         assert output.count(f"{name}: it could not be decoded") == 1
     skipped = re.findall(r"(?:train|val) epoch (\d): skipped (\d) images? that could not be decoded", output)
     assert {epoch: sum(int(n) for e, n in skipped if e == epoch) for epoch, _ in skipped} == {"0": 2, "1": 2}
+
+    # The checkpoint holds the folder's absolute path: eval.py run elsewhere scores the images
+    # the run held out, whatever hold-out the command gives, and the network's patch size only.
+    checkpoint = f"ckpt_path={run_folder(tmp_path)}/checkpoints/last.ckpt"
+    (tmp_path / "elsewhere").mkdir()
+    scores = []
+    for hold_out in ([], ["+data.split_seed=1"]):
+        result = run_entry_point("eval.py", checkpoint, *hold_out, cwd=tmp_path / "elsewhere")
+        output = result.stdout + result.stderr
+        scores.append(re.search(r"test accuracy: [0-9.]+ on \d+ images", output)[0])
+    assert scores[0] == scores[1] and "data.split_seed=1 left aside: the checkpoint's run held out" in output
+    result = run_entry_point("eval.py", checkpoint, "+data.patch_size=16", check=False)
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
+    assert result.returncode == 2 and len(errors) == 1, errors
+    assert "data.patch_size=16 given: the checkpoint's network takes patches of 8 px" in errors[0]
 
 
 @pytest.mark.slow

@@ -120,7 +120,7 @@ def test_a_resume_holds_out_what_its_run_held_out(project_root, tmp_path):
     run = PackedImageDataModule(str(tmp_path / "images"), split_by_path=True, num_workers=0)
     resumed = PackedImageDataModule(str(tmp_path / "images"), split_by_path=True, val_fraction=0.2)
     with pytest.warns(
-        UserWarning, match=r"data.val_fraction=0.2 left aside: the checkpoint's run held out 0.1"
+        UserWarning, match=r"data.val_fraction=0.2 left aside: the checkpoint's run held out val_fraction=0.1"
     ):
         resumed.hold_out_as({"split_seed": 0, "split_by_path": True, "val_fraction": 0.1})
     assert held_out(resumed) == held_out(run)

@@ -93,7 +93,12 @@ def test_a_moved_runs_built_in_data_is_read_in_this_data_dir_unless_another_set_
     shapes.generate(here / "shapes", TINY, workers=1)  # the same set made here: read
     assert shapes.root_for_run(str(old_clone), str(here), spec) == str(here / "shapes")
     other = {**spec, "num_train": TINY.num_train + 1}  # another set's images would be replaced
-    with pytest.raises(DataError, match=r"holds another set: set paths.data_dir to a folder"):
+    with pytest.raises(DataError, match=r"holds another set \(num_train=6 there\): set paths.data_dir to a"):
         shapes.root_for_run(str(old_clone), str(here), other)
     old_clone.mkdir(parents=True)  # the run's own folder, where it is still there
     assert shapes.root_for_run(str(old_clone), str(here), other) == str(old_clone)
+    # where another set has replaced it since (a run training on it): the same refusal
+    with pytest.raises(
+        DataError, match=r"\(.*/here/shapes\) holds another set now \(num_train=6 there\): set paths"
+    ):
+        shapes.root_for_run(str(here / "shapes"), str(here), other)

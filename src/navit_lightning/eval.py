@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.data import shapes
+from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.errors import ConfigError
 from navit_lightning.resolution import (
     SPLIT_STAGES,
@@ -52,6 +53,8 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     if data.get("generate") and "root" not in given:  # the run's built-in set, maybe made elsewhere
         data.root = shapes.root_for_run(data.root, cfg.paths.data_dir, data.generate)
     datamodule, model, trainer = build_from_checkpoint(cfg, run, data)
+    if isinstance(datamodule, PackedImageDataModule) and not data.get("evaluate_all"):
+        datamodule.hold_out_as(run.data)  # the images the run never trained on, as a test of it
     with loggers_closed_on_failure(trainer):
         check_same_classes(datamodule.class_names(), class_names, cfg.ckpt_path)
         metrics = scores(cfg, datamodule, model, trainer)

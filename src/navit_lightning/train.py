@@ -21,7 +21,7 @@ from navit_lightning.resolution import accuracy_across_budgets, budgets_that_fit
 from navit_lightning.utils.callbacks import StoreRunConfig
 from navit_lightning.utils.checkpoints import check_resumable, load_initial_weights
 from navit_lightning.utils.entry_point import launch, log_config, run_task
-from navit_lightning.utils.instantiate import instantiate_group
+from navit_lightning.utils.instantiate import absolute_path, instantiate_group
 from navit_lightning.utils.loggers import finish_loggers, loggers_closed_on_failure
 from navit_lightning.utils.shutdown import (
     StopTogetherOnSigterm,
@@ -44,6 +44,9 @@ def build(
     check_launch(cfg)
     L.seed_everything(cfg.seed, workers=True)
     torch.set_float32_matmul_precision("high")
+    if cfg.data.get("root") is not None:
+        with open_dict(cfg):  # as the checkpoints store it: eval.py elsewhere reads the same folder
+            cfg.data.root = absolute_path(cfg.data.root)
     datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
     with open_dict(cfg):
         cfg.model.num_classes = datamodule.num_classes

@@ -185,18 +185,24 @@ class PackedImageDataModule(L.LightningDataModule):
 
     def hold_out_as(self, run_data: Mapping[str, Any]) -> None:
         """Hold out the images that the run of `run_data` (a checkpoint's data config) held
-        out, which a resume or a test of it must keep: a run from before split_seed or
-        split_by_path held out by its seed, by a shuffle."""
+        out, which a resume, a test or an evaluation of it must keep, naming the settings
+        of this config left aside for it: a run from before split_seed or split_by_path
+        held out by its seed, by a shuffle."""
         split_seed = run_data.get("split_seed")
-        self.split_seed = run_data.get("seed", self.seed) if split_seed is None else split_seed
-        self.split_by_path = run_data.get("split_by_path", False)
-        val_fraction = run_data.get("val_fraction", self.val_fraction)
-        if val_fraction != self.val_fraction:
+        held_out = {
+            "val_fraction": run_data.get("val_fraction", self.val_fraction),
+            "split_seed": run_data.get("seed", self.seed) if split_seed is None else split_seed,
+            "split_by_path": run_data.get("split_by_path", False),
+        }
+        left_aside = {key: value for key, value in held_out.items() if getattr(self, key) != value}
+        if left_aside:
+            given = ", ".join(f"data.{key}={getattr(self, key)}" for key in left_aside)
+            run = ", ".join(f"{key}={value}" for key, value in left_aside.items())
             rank_zero_warn(
-                f"data.val_fraction={self.val_fraction} left aside: the checkpoint's run held out "
-                f"{val_fraction} of its images, and its resume or test holds out the same images"
+                f"{given} left aside: the checkpoint's run held out {run}, and its images are held out again"
             )
-        self.val_fraction = val_fraction
+        for key, value in held_out.items():
+            setattr(self, key, value)
 
     @property
     def num_classes(self) -> int:

@@ -206,17 +206,21 @@ def made_here(root: Path) -> dict[str, Any] | None:
 
 def root_for_run(run_root: str, data_dir: str, spec: Mapping[str, Any]) -> str:
     """Where eval.py reads a run's built-in set (`spec`, its data.generate): the run's own
-    folder where it is there; else this machine's data_dir/<its name> (a run from another
-    clone or machine; the same images, from their seed), unless a set of another spec is
-    there, which making this one would replace under whatever reads it."""
-    if Path(run_root).expanduser().is_dir():
-        return run_root
-    here = Path(data_dir) / Path(run_root).name
-    made = made_here(here)
-    wanted = ShapesSpec(**{key: value for key, value in spec.items() if key != "_target_"})
-    if made is not None and made != finished_marker(wanted):  # generate would replace it
-        raise DataError(
-            f"the run's built-in data ({run_root}) is not on this machine, and {here} holds "
-            "another set: set paths.data_dir to a folder where eval.py may make the run's"
-        )
-    return str(here)
+    folder where it is there; else, or where another set has replaced it there since, this
+    machine's data_dir/<its name> (a run from another clone or machine; the same images,
+    from their seed). Never a folder that holds another finished set: making this one would
+    replace it under whatever reads it (a run training on it)."""
+    wanted = finished_marker(ShapesSpec(**{key: value for key, value in spec.items() if key != "_target_"}))
+    own = Path(run_root).expanduser()
+    here = Path(data_dir) / own.name
+    for root in (own, here) if own.is_dir() else (here,):
+        made = made_here(root)
+        if made is None or made == wanted:  # the run's set, or none finished to replace
+            return str(root)
+    changed = ", ".join(f"{key}={made[key]} there" for key in sorted(made) if made[key] != wanted.get(key))
+    where = "holds another set now" if own.is_dir() else "is not on this machine"
+    beside = "" if here == own else f", and {here} holds another set"
+    raise DataError(
+        f"the run's built-in data ({run_root}) {where}{beside} ({changed}): set paths.data_dir to a "
+        "folder where eval.py may make the run's"
+    )

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning.errors import ConfigError
-from navit_lightning.utils.instantiate import dotted_settings, instantiate_group
+from navit_lightning.utils.instantiate import absolute_path, dotted_settings, instantiate_group
 from navit_lightning.utils.shutdown import is_explained_elsewhere
 
 log = logging.getLogger(__name__)
@@ -324,7 +324,9 @@ def data_for(cfg: DictConfig, run: DictConfig, given: Collection[str] = ()) -> D
     else:  # eval.yaml's and predict.yaml's data.* settings are null unless given
         chosen = {key: value for key, value in data.items() if value is not None}
     merged = OmegaConf.merge(run.data, chosen)
-    if "root" in chosen and not same_folder(chosen["root"], run.data.root):
+    if "root" in chosen:  # resolved where the command's config can (data.root=${paths.data_dir}/x)
+        merged.root = absolute_path(data.root)
+    if "root" in chosen and not same_folder(merged.root, run.data.root):
         # a folder the run did not train on: all its images are evaluated, none held out
         merged.evaluate_all = True
     return merged
@@ -363,6 +365,12 @@ def build_from_checkpoint(
         )
     with open_dict(cfg):  # the network must match the weights; data=... refers to it
         cfg.model = OmegaConf.merge(run.model, cfg.model) if given else run.model
+    patch_size = cfg.model.net.patch_size
+    if data.get("patch_size", patch_size) != patch_size:
+        raise ConfigError(
+            f"data.patch_size={data.patch_size} given: the checkpoint's network takes patches of "
+            f"{patch_size} px (model.net.patch_size); leave data.patch_size out"
+        )
     datamodule = hydra.utils.instantiate(data)
     model = hydra.utils.instantiate(cfg.model)
     trainer = hydra.utils.instantiate(

@@ -3,6 +3,7 @@ dotted keys."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import hydra
@@ -26,3 +27,9 @@ def dotted_settings(node: dict | list, prefix: str = "") -> dict[str, Any]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def absolute_path(path: str) -> str:
+    """`path`, `~` expanded, from the folder the command ran in, also where Hydra changed into
+    the run's folder (hydra.job.chdir=true)."""
+    return hydra.utils.to_absolute_path(os.path.expanduser(path))
