@@ -8,9 +8,11 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hydra.core.hydra_config import HydraConfig
 
 from navit_lightning.data import shapes
 from navit_lightning.utils.shutdown import descendants
@@ -80,6 +82,15 @@ def logged_scalars(events: Path) -> dict[str, list[tuple[int, float]]]:
     return {
         tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]
     }
+
+
+@pytest.fixture(autouse=True)
+def hydra_config_cleared() -> Iterator[None]:
+    """A test that sets Hydra's global config as a run's (test_configs.compose_train) leaves
+    it to no other: a sweep's (hparams_search=optuna) made later checks in that process take
+    themselves for a sweep's job."""
+    yield
+    HydraConfig.instance().cfg = None
 
 
 @pytest.fixture(scope="session")
