@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from einops import rearrange
 from PIL import Image, ImageOps
 
 from navit_lightning.batch import PackedShape
@@ -83,10 +84,11 @@ def make_messy_folder(root):
         (Image.fromarray(np.full((4, 4), 60000, dtype=">u2")), (234, 234, 234)),  # ImageJ's TIFFs
         (Image.new("I", (4, 4), 256 * 100), (100, 100, 100)),
         (Image.new("F", (4, 4), 0.5), (127, 127, 127)),  # float in [0, 1], not black
+        (Image.new("F", (4, 4), 1.0), (255, 255, 255)),  # a white float image: in [0, 1] too
         (with_info(Image.new("L", (4, 4), 9), transparency=9), (255, 255, 255)),  # a PNG's tRNS
         (with_info(Image.new("RGB", (4, 4), (1, 2, 3)), transparency=(1, 2, 3)), (255, 255, 255)),
     ],
-    ids=["L", "RGBA", "LA", "CMYK", "I;16", "I;16B", "I", "F", "L-tRNS", "RGB-tRNS"],
+    ids=["L", "RGBA", "LA", "CMYK", "I;16", "I;16B", "I", "F", "F-white", "L-tRNS", "RGB-tRNS"],
 )
 def test_every_mode_becomes_8_bit_rgb(image, pixel):
     rgb = to_rgb(image)
@@ -110,7 +112,8 @@ def test_exif_orientation_is_applied_to_size_and_pixels():
 @pytest.mark.parametrize("orientation", [3, 6, 8])
 @pytest.mark.parametrize("kind", ["JPEG", "PNG", "WEBP", "TIFF"])
 def test_every_format_is_turned_upright_once_as_pillow_turns_it(kind, orientation):
-    """Pillow turns TIFFs upright itself: they were turned twice (sides swapped, upside down)."""
+    """Pillow turns TIFFs upright itself: they were turned twice (sides swapped, upside down).
+    The training flip mirrors the upright image left to right, not the stored one."""
     stored = Image.new("RGB", (40, 20), (0, 0, 255))
     stored.paste((255, 0, 0), (0, 0, 20, 10))  # the stored top-left quarter red
     exif = Image.Exif()
@@ -125,6 +128,10 @@ def test_every_format_is_turned_upright_once_as_pillow_turns_it(kind, orientatio
     assert sample.grid == (upright.height // 4, upright.width // 4)
     corner = sample.patches[0].reshape(16, 3).float().mean(0)  # the top-left patch's colour
     assert torch.allclose(corner, torch.tensor(upright.getpixel((1, 1)), dtype=torch.float32), atol=40)
+    with Image.open(buffer) as image:
+        mirrored = image_to_sample(image, 0, patch_size=4, max_patches=200, mirror=True)
+    pixels = rearrange(mirrored.patches, "(h w) (p1 p2 c) -> (h p1) (w p2) c", w=mirrored.grid[1], p1=4, p2=4)
+    assert torch.equal(pixels, torch.from_numpy(np.array(ImageOps.mirror(upright.convert("RGB")))))
 
 
 def test_huge_and_tiny_images_fit_the_patch_budget():

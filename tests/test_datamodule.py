@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import hydra
 import lightning as L
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -17,6 +18,9 @@ from torch.utils.data import DataLoader
 from navit_lightning.batch import PackedBatch
 from navit_lightning.bench import train_config
 from navit_lightning.data.datamodule import PackedImageDataModule
+from navit_lightning.data.folder import Images, hold_out
+from navit_lightning.data.index import StringTable
+from navit_lightning.data.sampler import SampleKey
 from navit_lightning.data.workers import WORKER_MODULES
 from navit_lightning.utils.shutdown import descendants
 from tests.conftest import REPO, TINY_RUN
@@ -103,6 +107,17 @@ def test_images_added_to_a_flat_folder_leave_every_other_image_in_its_split(proj
     assert train <= train_after and val <= val_after and len(train_after | val_after) == len(train | val) + 20
 
 
+@pytest.mark.parametrize("by_path", [True, False])
+def test_a_few_images_hold_out_one_at_least(by_path):
+    """10 % of 6 images: a draw may fall below 0.1 for none of them, and the val split would
+    be empty."""
+    paths = [f"cat/{number}.png" for number in range(6)]
+    images = Images(Path("/images"), StringTable.of(paths), np.zeros(6, np.int64), np.ones((6, 2), np.int32))
+    for seed in range(20):
+        train, val = hold_out(images, 0.01, seed, by_path)
+        assert len(val.labels) == 1 and len(train.labels) == 5
+
+
 def test_a_resume_holds_out_what_its_run_held_out(project_root, tmp_path):
     """train.py builds the data from this config: a run from before split_seed and
     split_by_path, resumed, validated on images it had trained on."""
@@ -166,6 +181,19 @@ def test_an_optimizer_step_takes_the_tokens_of_every_rank_and_accumulated_batch(
     assert datamodule.step_tokens() == 4 * 64
     datamodule.trainer = SimpleNamespace(world_size=2, accumulate_grad_batches=3, strategy=None)
     assert datamodule.step_tokens() == 2 * 3 * 4 * 64
+
+
+def test_token_dropping_keeps_the_tokens_its_epochs_seed_draws(project_root):
+    """Each epoch's key seed draws another set of an image's tokens; the same seed, the same set
+    (a resumed epoch)."""
+    datamodule = shapes_datamodule(project_root, num_workers=0)
+    datamodule.setup("fit")
+    dataset = datamodule.datasets["train"]
+
+    def kept(seed: int) -> list[list[int]]:
+        return dataset[SampleKey(index=0, max_patches=64, keep=6, seed=seed)].coords.tolist()
+
+    assert kept(1) == kept(1) and kept(1) != kept(2) and len(kept(1)) == 6
 
 
 def test_an_evaluation_across_patch_budgets_has_a_loader_per_budget(project_root):

@@ -71,10 +71,12 @@ def test_a_second_index_opens_no_readable_image_and_a_changed_folder_reads_only_
     Image.new("RGB", (99, 7)).save(root / "cats" / "new.png")  # added
     (root / "dogs" / "0.png").unlink()  # removed
     Image.new("RGB", (8, 77)).save(root / "cats" / "1.png")  # replaced under the same name
+    touched = (root / "cats" / "3.png").stat()  # rewritten in place at the same length
+    os.utime(root / "cats" / "3.png", ns=(touched.st_atime_ns, touched.st_mtime_ns + 10**9))
     with image_files_opened() as opened, caplog.at_level(logging.INFO):
         changed = index_folder(root)
-    assert sorted(opened) == ["1.png", "broken.jpg", "new.png"]
-    assert "3 read (new, changed or unreadable), 1 gone," in caplog.text  # the replaced one is not gone
+    assert sorted(opened) == ["1.png", "3.png", "broken.jpg", "new.png"]
+    assert "4 read (new, changed or unreadable), 1 gone," in caplog.text  # the replaced one is not gone
     sizes = dict(zip(changed.paths.tolist(), changed.sizes.tolist(), strict=True))
     assert sizes["cats/new.png"] == [7, 99] and sizes["cats/1.png"] == [77, 8] and "dogs/0.png" not in sizes
     assert Manifest.load(manifest_path(root)).paths == changed.paths  # saved

@@ -51,6 +51,10 @@ def test_a_short_default_run_shows_pictures_and_hparams(run_entry_point):
     assert "hp/val_acc" in str(events.PluginTagToContent("hparams"))
     assert scalars["hp/val_acc"][-1][1] == pytest.approx(max(value for _, value in scalars["val/acc"]))
     assert scalars["hp/test_acc"][-1][1] == pytest.approx(scalars["test/acc"][-1][1])
+    # which test/acc tested: the checkpoint of the best val/acc (the first of equals)
+    accuracies = [value for _, value in scalars["val/acc"]]
+    (best,) = (run / "checkpoints").glob("epoch_*.ckpt")
+    assert best.name == f"epoch_{accuracies.index(max(accuracies)):03d}.ckpt", accuracies
     # and what a step consumed, which training prints at its start (they reached hparams.yaml only)
     assert "effective_batch/tokens" in str(events.PluginTagToContent("hparams"))
     printed = re.search(r"= (\d+) tokens, ~(\d+) images", (run / "train.log").read_text())

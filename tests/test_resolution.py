@@ -2,12 +2,15 @@
 and TensorBoard entries that agree with a plain evaluation."""
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
+from navit_lightning import resolution
 from navit_lightning.data.datamodule import PackedImageDataModule
+from navit_lightning.lit_module import BatchCounts
 from navit_lightning.models import NaViT
-from navit_lightning.resolution import budgets_that_fit, label_and_path, main, read_results
+from navit_lightning.resolution import EvalCounter, budgets_that_fit, label_and_path, main, read_results
 from tests.conftest import TINY_RUN, TINY_SPEC, logged_scalars, run_folder
 
 
@@ -58,6 +61,24 @@ def test_training_ends_with_accuracy_across_resolutions_and_eval_py_agrees(run_e
     assert all(p <= budget for p, budget in zip(patches, [9, 36, 100], strict=True))
     assert patches == sorted(patches) and patches[0] < patches[-1]
     assert all(result.images_per_s > 0 for result in results)
+
+
+def test_an_evaluations_seconds_span_its_first_batchs_start_to_its_last_batchs_end(monkeypatch):
+    """images/s per budget is images over these seconds: one batch's would overstate it."""
+    now = [0.0]
+    monkeypatch.setattr(resolution.time, "perf_counter", lambda: now[0])
+    logged: dict[str, list[float]] = {}
+    module = SimpleNamespace(
+        batch_counts=BatchCounts(images=3, real_tokens=30, tokens=40),
+        log=lambda name, value, **_: logged.setdefault(name, []).append(value),
+    )
+    counter = EvalCounter()
+    for batch_idx in range(3):  # batches of 2 s, 10 s apart
+        now[0] = 10.0 * batch_idx
+        counter.on_test_batch_start(None, module, None, batch_idx)
+        now[0] += 2.0
+        counter.on_test_batch_end(None, module, None, None, batch_idx)
+    assert max(logged["test/seconds"]) == 22.0 and logged["test/images"] == [3.0] * 3
 
 
 def test_budgets_past_the_position_tables_are_left_out_before_the_sweep(project_root):

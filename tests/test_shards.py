@@ -46,6 +46,12 @@ def test_shards_hold_every_readable_image_as_webdataset_samples(folder_with_a_br
         sample = json.loads(tar.extractfile(names[2]).read())
         label = int(tar.extractfile(names[1]).read())
     assert [name.split(".", 1)[1] for name in names] in (["jpg", "cls", "json"], ["png", "cls", "json"])
+    # a sample's key (its members' stem) is unique across every shard, as webdataset reads them
+    keys = []
+    for shard in sorted(shards.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            keys += [name.split(".", 1)[0] for name in tar.getnames()]
+    assert len(set(keys)) == len(keys) // 3 == len(manifest.paths)
     assert sample["path"].startswith("train/") and label == sorted(
         p.name for p in (folder_with_a_broken_sample / "train").iterdir()
     ).index(sample["path"].split("/")[1])
