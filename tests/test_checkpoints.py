@@ -26,6 +26,7 @@ from navit_lightning.utils.checkpoints import (
     load_initial_weights,
     read_checkpoint,
 )
+from navit_lightning.utils.instantiate import absolute_path
 from tests.conftest import DDP_TWO_RANKS, TINY_RUN, TINY_SHAPES, logged_scalars
 
 
@@ -44,6 +45,13 @@ def test_eval_and_predict_take_the_runs_data_with_what_the_command_changes(task,
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(task, overrides=["ckpt_path=run.ckpt", *overrides])
     assert OmegaConf.to_container(data_for(cfg, run)) == {"_target_": "the.runs.DataModule", **expected}
+
+
+def test_the_stored_data_root_is_absolute_but_for_a_url(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert absolute_path("images") == str(tmp_path / "images")
+    assert absolute_path(2024) == str(tmp_path / "2024")  # a folder Hydra reads as a number
+    assert absolute_path("s3://bucket/images") == "s3://bucket/images"  # a data module's own
 
 
 def built_model(*overrides: str):

@@ -115,6 +115,13 @@ def test_settings_that_would_build_another_network_silently_are_refused(setting,
         make_net(**setting)
 
 
+def test_the_smallest_mlp_ratio_a_refusal_suggests_builds():
+    with pytest.raises(ConfigError, match=r"raise it to at least \S+$") as refusal:
+        make_net(dim=12, heads=3, mlp_ratio=0.01)
+    smallest = float(str(refusal.value).split()[-1])  # 1 / 12, rounded up
+    assert make_net(dim=12, heads=3, mlp_ratio=smallest).mlp_hidden == 1
+
+
 def test_absolute_positions_beyond_the_table_are_refused():
     net = make_net(max_grid=4)
     batch = pack([make_sample(2, 6, label=0, seed=0)], SHAPE, PATCH_DIM)

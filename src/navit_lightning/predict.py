@@ -27,7 +27,7 @@ from navit_lightning.utils.checkpoints import (
     load_training_run,
 )
 from navit_lightning.utils.entry_point import launch, run_task
-from navit_lightning.utils.instantiate import absolute_path, instantiate_group
+from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.shutdown import explain_collective_failure
 from navit_lightning.utils.validate import check_launch
 
@@ -130,7 +130,7 @@ def predict(cfg: DictConfig) -> Path:
             "or null for the training run's data.max_patches"
         )
     L.seed_everything(cfg.seed, workers=True)
-    paths = image_files(Path(absolute_path(cfg.input)))
+    paths = image_files(Path(cfg.input).expanduser())
     run, class_names = load_training_run(cfg.ckpt_path)
     data = OmegaConf.merge(data_for(cfg, run, data_keys_given()), {"generate": None})  # nothing to generate
     output = Path(cfg.paths.output_dir) / "predictions.csv"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -119,7 +120,7 @@ class NaViT(nn.Module):
         if self.mlp_hidden < 1:
             raise ConfigError(
                 f"model.net.mlp_ratio={mlp_ratio} gives each block's MLP {self.mlp_hidden} hidden units "
-                f"at model.net.dim={dim}: raise it to at least {1 / dim:.3g}"
+                f"at model.net.dim={dim}: raise it to at least {math.ceil(1000 / dim) / 1000}"
             )
         self.attention = check_backend_name(attention)
         self.grad_checkpointing = grad_checkpointing

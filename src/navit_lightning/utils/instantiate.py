@@ -29,7 +29,9 @@ def dotted_settings(node: dict | list, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def absolute_path(path: str) -> str:
+def absolute_path(path: object) -> str:
     """`path`, `~` expanded, from the folder the command ran in, also where Hydra changed into
-    the run's folder (hydra.job.chdir=true)."""
-    return hydra.utils.to_absolute_path(os.path.expanduser(path))
+    the run's folder (hydra.job.chdir=true); a URL (s3://...) as it is. Hydra reads a folder
+    named 2024 as a number."""
+    text = str(path)
+    return text if "://" in text else hydra.utils.to_absolute_path(os.path.expanduser(text))
