@@ -184,13 +184,19 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatc
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]  # no partial file left
 
 
-@pytest.mark.parametrize("damage", ["missing", "truncated", "foreign", "not a zip"])
+@pytest.mark.parametrize("damage", ["missing", "truncated", "a flipped byte", "foreign", "not a zip"])
 def test_unusable_checkpoints_are_refused_with_the_fix(tmp_path, damage):
     path = tmp_path / "last.ckpt"
-    good = {"state_dict": {"w": torch.zeros(1000)}, "run_config": {"seed": 1}}
+    weights = torch.arange(1000, dtype=torch.float32)
+    good = {"state_dict": {"w": weights}, "run_config": {"seed": 1}}
     if damage == "truncated":
         torch.save(good, path)
         path.write_bytes(path.read_bytes()[:-100])
+    elif damage == "a flipped byte":  # in a weight: torch would load it without a word
+        torch.save(good, path)
+        data = bytearray(path.read_bytes())
+        data[data.find(weights.numpy().tobytes()) + 2001] ^= 1
+        path.write_bytes(data)
     elif damage == "foreign":
         torch.save({"model": torch.zeros(3)}, path)
     elif damage == "not a zip":

@@ -176,11 +176,15 @@ def shapes_datamodule(project_root: Path, **options) -> PackedImageDataModule:
 
 def test_an_optimizer_step_takes_the_tokens_of_every_rank_and_accumulated_batch(project_root):
     """The effective batch that model.lr_scaling scales the rate to: 4 rows x 64 tokens a
-    batch, on 2 ranks, 3 batches accumulated."""
+    batch, on 2 ranks, 3 batches accumulated; or on 2 devices of one process."""
     datamodule = shapes_datamodule(project_root, num_workers=0)
     assert datamodule.step_tokens() == 4 * 64
     datamodule.trainer = SimpleNamespace(world_size=2, accumulate_grad_batches=3, strategy=None)
     assert datamodule.step_tokens() == 2 * 3 * 4 * 64
+    # strategy=dp on 2 devices: this process's batch holds both devices' rows
+    dp = SimpleNamespace(devices_per_process=2)
+    datamodule.trainer = SimpleNamespace(world_size=1, accumulate_grad_batches=1, strategy=dp)
+    assert datamodule.process_shape().rows == 2 * 4 and datamodule.step_tokens() == 2 * 4 * 64
 
 
 def test_token_dropping_keeps_the_tokens_its_epochs_seed_draws(project_root):
@@ -213,6 +217,11 @@ def test_an_evaluation_across_patch_budgets_has_a_loader_per_budget(project_root
     datamodule.evaluate_at(None)
     loader = datamodule.val_dataloader()
     assert isinstance(loader, DataLoader) and next(iter(loader)).image_ids.shape[1] == 64
+    # one budget with the default rows: a loader of its own, not the one kept before it or after
+    for budget, largest_side in ((4, 4), (None, 64)):
+        datamodule.evaluate_at(None if budget is None else [budget])
+        batches = list(datamodule.val_dataloader())
+        assert max(int(batch.grid.prod(-1).max()) for batch in batches) == largest_side
 
 
 def augmenting_datamodule(root, num_workers: int) -> PackedImageDataModule:

@@ -63,7 +63,15 @@ def test_slurm_tasks_name_the_run_by_job_and_step(monkeypatch):
     assert hydra_config.sweep.dir.endswith("/train/multiruns/slurm-4242.0")
 
 
-@pytest.mark.parametrize("env", [{}, {"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}, {"NODE_RANK": "0"}])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},
+        {"SLURM_NTASKS": "1", "SLURM_PROCID": "0"},
+        {"NODE_RANK": "0"},
+        {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "1", "RANK": "0"},  # torchrun --nproc_per_node=1
+    ],
+)
 def test_a_lone_process_uses_its_clock_and_writes_everything(monkeypatch, env):
     for name in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID", "NODE_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -142,3 +150,8 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(monkeypatch, t
     assert run_folder() == str(runs / "2026-01-01_00-00-00_2")
     assert run_folder() == str(runs / "2026-01-01_00-00-00_3")
     assert run_folder(f"hydra.run.dir={runs / '2026-01-01_00-00-00'}") == str(runs / "2026-01-01_00-00-00")
+    # a SLURM task but the first: its run's folder, which the first task made
+    for name, value in {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_JOB_ID": "7"}.items():
+        monkeypatch.setenv(name, value)
+    (runs / "slurm-7.0").mkdir()
+    assert run_folder() == str(runs / "slurm-7.0")

@@ -8,6 +8,7 @@ from navit_lightning.data.packing import pack
 from navit_lightning.errors import ConfigError
 from navit_lightning.models import NaViT
 from navit_lightning.models.navit import PatchEmbed
+from navit_lightning.models.pooling import AttentionPool
 from navit_lightning.models.pos_embed import FactorizedPosEmbed
 from tests.test_packing import PATCH_DIM, make_sample
 
@@ -120,6 +121,24 @@ def test_the_smallest_mlp_ratio_a_refusal_suggests_builds():
         make_net(dim=12, heads=3, mlp_ratio=0.01)
     smallest = float(str(refusal.value).split()[-1])  # 1 / 12, rounded up
     assert make_net(dim=12, heads=3, mlp_ratio=smallest).mlp_hidden == 1
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e4])  # scores in the hundreds overflow exp() unless shifted
+def test_attention_pooling_is_each_images_softmax_attention_of_its_query(scale):
+    torch.manual_seed(0)
+    pool = AttentionPool(dim=16, heads=4).double()
+    with torch.no_grad():
+        pool.query.mul_(scale)
+    tokens = torch.randn(7, 16, dtype=torch.float64)
+    segments = torch.tensor([0, 0, 0, 1, 1, 2, 2])  # two images; segment 2: padding, left out
+    pooled = pool(tokens, segments, num_segments=2)
+    for image, rows in enumerate([slice(0, 3), slice(3, 5)]):
+        k, v = rearrange(pool.kv(tokens[rows]), "n (two h d) -> two h n d", two=2, h=4)
+        attention = torch.softmax(k @ pool.query[:, :, None] / 4**0.5, dim=1)  # (h, n, 1) over n
+        expected = pool.proj(rearrange((attention * v).sum(1), "h d -> (h d)"))
+        # the module's softmax runs in float32, whatever the tokens' dtype
+        torch.testing.assert_close(pooled[image], expected, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(pooled).all()
 
 
 def test_absolute_positions_beyond_the_table_are_refused():

@@ -4,6 +4,8 @@ checkpoint, agreement with eval.py, and one-line refusals."""
 import csv
 import io
 import re
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from PIL import Image
 
 from navit_lightning.data.folder import image_files_under
 from navit_lightning.data.shapes import CLASSES
+from navit_lightning.predict import PredictionWriter
 from tests.conftest import DDP_TWO_RANKS, TINY_RUN, run_folder
 from tests.test_bad_input import make_messy_folder
 from tests.test_resolution import accuracy_lines
@@ -188,3 +191,24 @@ def test_two_ddp_ranks_predict_what_one_process_does(run_entry_point, trained, t
     for one, two in zip(alone, split, strict=True):
         assert one["class"] == two["class"]
         assert float(one["probability"]) == pytest.approx(float(two["probability"]), abs=1e-5)
+
+
+def test_the_csv_lists_at_most_every_class_most_probable_first_in_input_order(tmp_path):
+    """top_k=5 of 3 classes (topk would fail past them); a batch holds b.png before a.png."""
+    writer = PredictionWriter(
+        tmp_path / "predictions.csv", [Path("a.png"), Path("b.png")], ["x", "y", "z"], 5
+    )
+    trainer = SimpleNamespace(
+        global_rank=0, world_size=1, is_global_zero=True, strategy=SimpleNamespace(barrier=lambda: None)
+    )
+    writer.on_predict_start(trainer, None)
+    probabilities = torch.tensor([[0.2, 0.5, 0.3], [0.7, 0.1, 0.2]])
+    writer.write_on_batch_end(trainer, None, (torch.tensor([1, 0]), probabilities))
+    writer.on_predict_end(trainer, None)
+    with open(tmp_path / "predictions.csv", newline="") as file:
+        rows = list(csv.reader(file))
+    assert rows == [
+        ["path", "class", "probability", "class_2", "probability_2", "class_3", "probability_3"],
+        ["a.png", "x", "0.700000", "z", "0.200000", "y", "0.100000"],
+        ["b.png", "y", "0.500000", "z", "0.300000", "x", "0.200000"],
+    ]

@@ -57,6 +57,15 @@ def test_each_image_once_per_epoch_and_equal_batch_counts(policy, world, n):
             assert sum(key.keep for key in batch) <= SHAPE.rows * SHAPE.row_len
 
 
+def test_ranks_take_the_plans_batches_in_turn():
+    """Rank r trains on batches r, r + R, ... of the one plan every rank makes: blocks of it
+    would keep every count above and deal other images to each rank."""
+    sizes = image_sizes(200)
+    (whole,) = rank_batches(sizes, 1, epoch=0)
+    for rank, batches in enumerate(rank_batches(sizes, 3, epoch=0)):
+        assert batches[: len(whole[rank::3])] == whole[rank::3]
+
+
 def test_every_rank_plans_the_same_sizes():
     sizes = image_sizes(300)
     one_rank = {
