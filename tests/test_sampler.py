@@ -66,6 +66,35 @@ def test_ranks_take_the_plans_batches_in_turn():
         assert batches[: len(whole[rank::3])] == whole[rank::3]
 
 
+@pytest.mark.parametrize("world", [1, 3])
+def test_plan_stats_are_the_figures_of_the_batches_a_rank_gets(world):
+    """What training prints and logs as effective_batch/images: 201 images plan 19 batches,
+    so 2 of 3 ranks get a filler batch (all padding), a batch of no image."""
+    capacity, fillers = SHAPE.rows * SHAPE.row_len, 0
+    for rank in range(world):
+        sampler = PackedBatchSampler(
+            image_sizes(201),
+            SHAPE,
+            VARIABLE,
+            shuffle=True,
+            seed=3,
+            lookahead=64,
+            num_replicas=world,
+            rank=rank,
+        )
+        batches = list(sampler)
+        tokens = [sum(key.keep for key in batch) for batch in batches]
+        fillers += sum(not batch for batch in batches)
+        figures = (
+            len(batches),
+            sum(len(batch) for batch in batches) / len(batches),
+            sum(tokens) / (len(tokens) * capacity),
+            sum(tokens[:-1]) / ((len(tokens) - 1) * capacity),
+        )
+        assert sampler.plan_stats() == pytest.approx(figures)
+    assert fillers == (2 if world == 3 else 0)
+
+
 def test_every_rank_plans_the_same_sizes():
     sizes = image_sizes(300)
     one_rank = {
