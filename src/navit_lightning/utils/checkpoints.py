@@ -200,11 +200,11 @@ def check_resumable(
     on from the average, which the checkpoint holds as its weights, and drop the trained
     weights saved beside it)."""
     checkpoint = read_checkpoint(ckpt_path)
-    network_changes = setting_changes(checkpoint, model_config, "model.net.")
-    if network_changes or tensor_shapes(checkpoint["state_dict"]) != tensor_shapes(model.state_dict()):
+    changes = setting_changes(checkpoint, model_config, "model.")
+    network_changed = any(change.startswith("model.net.") for change in changes)
+    if network_changed or tensor_shapes(checkpoint["state_dict"]) != tensor_shapes(model.state_dict()):
         raise ConfigError(
-            f"ckpt_path={ckpt_path} holds another network "
-            f"({'; '.join(setting_changes(checkpoint, model_config, 'model.')) or 'other tensors'}): "
+            f"ckpt_path={ckpt_path} holds another network ({'; '.join(changes) or 'other tensors'}): "
             "resume with the settings it was trained with, or leave ckpt_path out to start afresh"
         )
     check_same_classes(class_names, run_class_names(checkpoint), ckpt_path)
@@ -326,9 +326,9 @@ def data_for(cfg: DictConfig, run: DictConfig, given: Collection[str] = ()) -> D
     merged = OmegaConf.merge(run.data, chosen)
     if "root" in chosen:  # resolved where the command's config can (data.root=${paths.data_dir}/x)
         merged.root = absolute_path(data.root)
-    if "root" in chosen and not same_folder(merged.root, run.data.root):
-        # a folder the run did not train on: all its images are evaluated, none held out
-        merged.evaluate_all = True
+        if not same_folder(merged.root, run.data.root):
+            # a folder the run did not train on: all its images are evaluated, none held out
+            merged.evaluate_all = True
     return merged
 
 

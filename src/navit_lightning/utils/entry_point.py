@@ -39,9 +39,10 @@ def refuse_null_groups(arguments: list[str]) -> None:
     on the command line: refuse it in one line that names the form Hydra takes, `~logger`."""
     for argument in arguments:
         group, _, value = argument.partition("=")
-        # Hydra's own groups (hydra/launcher) have options outside CONFIG_DIR
+        if value != "null" or "/" in group:  # Hydra's own groups (hydra/launcher): options elsewhere
+            continue
         options = sorted(path.stem for path in Path(CONFIG_DIR, group).glob("*.yaml"))
-        if value == "null" and "/" not in group and options:
+        if options:
             print(
                 f"error: {argument}: Hydra cannot set a config group to null; ~{group} removes it, "
                 f"or choose one of {options}",
