@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ from navit_lightning.utils.shutdown import descendants
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_SPEC = shapes.ShapesSpec(num_train=192, num_val=48, num_test=48, max_side=160)
+# where a run given TINY_SHAPES reads it, in its PROJECT_ROOT
+TINY_SET = Path("data") / shapes.folder_name(asdict(TINY_SPEC))
 # Overrides that point a run at the tiny shapes set,
 TINY_SHAPES = [
     f"data.generate.num_train={TINY_SPEC.num_train}",
@@ -97,7 +100,7 @@ def hydra_config_cleared() -> Iterator[None]:
 def project_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A PROJECT_ROOT for subprocess runs, its data/ holding the tiny shapes set."""
     root = tmp_path_factory.mktemp("project")
-    shapes.generate(root / "data" / "shapes", TINY_SPEC)
+    shapes.generate(root / TINY_SET, TINY_SPEC)
     return root
 
 

@@ -13,6 +13,7 @@ from omegaconf import open_dict
 from navit_lightning import CONFIG_DIR
 from navit_lightning.data.shards import write_shards
 from navit_lightning.utils.instantiate import instantiate_group
+from tests.conftest import TINY_SET, TINY_SHAPES
 
 GROUPS = [
     "data",
@@ -53,15 +54,27 @@ def test_every_group_option_is_listed():
     assert "strategy=ddp_spawn" in OPTIONS and "model=navit_base" in OPTIONS
 
 
+def test_each_built_in_set_has_a_folder_of_its_own(tmp_path, project_root):
+    """Other data.generate settings were written over data/shapes, under any run reading it."""
+
+    def root(*overrides: str) -> Path:
+        return Path(compose_train(list(overrides), tmp_path, project_root).data.root)
+
+    assert root() == root("data.generate.max_aspect=2") == project_root / "data" / "shapes"
+    assert root(*TINY_SHAPES) == project_root / TINY_SET  # where the tiny set is made for every test
+    others = {root(*TINY_SHAPES, "data.generate.seed=1"), root("data.generate.max_aspect=3")}
+    assert len({root(), root(*TINY_SHAPES), *others}) == 4
+
+
 @pytest.mark.parametrize("option", OPTIONS)
 def test_option_composes_and_instantiates(option, tmp_path, project_root):
     if option in NEEDS_PACKAGE:
         pytest.importorskip(NEEDS_PACKAGE[option])
     overrides = [option]
     if option == "data=imagefolder":
-        overrides.append(f"data.root={project_root / 'data' / 'shapes'}")
+        overrides.append(f"data.root={project_root / TINY_SET}")
     if option == "data=shards":
-        write_shards(project_root / "data" / "shapes", tmp_path / "shards")
+        write_shards(project_root / TINY_SET, tmp_path / "shards")
         overrides.append(f"data.root={tmp_path / 'shards'}")
     cfg = compose_train(overrides, tmp_path, project_root)
     datamodule = hydra.utils.instantiate(cfg.data)

@@ -23,11 +23,11 @@ from navit_lightning.data.index import StringTable
 from navit_lightning.data.sampler import SampleKey
 from navit_lightning.data.workers import WORKER_MODULES
 from navit_lightning.utils.shutdown import descendants
-from tests.conftest import REPO, TINY_RUN
+from tests.conftest import REPO, TINY_RUN, TINY_SET
 
 
 def test_train_and_val_folders_are_used_as_given(project_root):
-    datamodule = PackedImageDataModule(str(project_root / "data" / "shapes"), patch_size=16, max_patches=64)
+    datamodule = PackedImageDataModule(str(project_root / TINY_SET), patch_size=16, max_patches=64)
     datamodule.setup("fit")
     sizes = {name: len(dataset) for name, dataset in datamodule.datasets.items()}
     assert sizes == {"train": 192, "val": 48, "test": 48}
@@ -36,7 +36,7 @@ def test_train_and_val_folders_are_used_as_given(project_root):
 
 
 def test_a_flat_folder_is_split_by_seed_and_every_image_is_batched_once(project_root, tmp_path, caplog):
-    shutil.copytree(project_root / "data" / "shapes" / "train", tmp_path / "images")
+    shutil.copytree(project_root / TINY_SET / "train", tmp_path / "images")
     splits = []
     for _ in range(2):
         datamodule = PackedImageDataModule(
@@ -60,7 +60,7 @@ def test_a_flat_folder_is_split_by_seed_and_every_image_is_batched_once(project_
 def test_a_folder_no_run_trained_on_is_evaluated_whole(project_root, tmp_path):
     """eval.py on a new folder of <class>/ folders scored the 10 % it held out, and a folder of
     test/ alone was refused."""
-    shapes_test = project_root / "data" / "shapes" / "test"
+    shapes_test = project_root / TINY_SET / "test"
     shutil.copytree(shapes_test, tmp_path / "flat")
     shutil.copytree(shapes_test, tmp_path / "split" / "test")
     for root in (tmp_path / "flat", tmp_path / "split"):
@@ -73,7 +73,7 @@ def test_a_folder_no_run_trained_on_is_evaluated_whole(project_root, tmp_path):
 def test_the_held_out_split_follows_split_seed_not_the_runs_seed(project_root, tmp_path):
     """Runs of a seed sweep, and eval.py (seed 42) on a run of seed 7, hold out the same
     images; a checkpoint from before split_seed (None) holds out by its seed, as it did."""
-    shutil.copytree(project_root / "data" / "shapes" / "train", tmp_path / "images")
+    shutil.copytree(project_root / TINY_SET / "train", tmp_path / "images")
 
     def held_out(*overrides: str) -> list[str]:
         cfg = train_config(["data=imagefolder", f"data.root={tmp_path / 'images'}", *overrides])
@@ -89,8 +89,8 @@ def test_the_held_out_split_follows_split_seed_not_the_runs_seed(project_root, t
 def test_images_added_to_a_flat_folder_leave_every_other_image_in_its_split(project_root, tmp_path):
     """A shuffle of them all drew another split: images earlier runs trained on were
     validated (4 of 6 new val images after adding 5 to 60)."""
-    shutil.copytree(project_root / "data" / "shapes" / "train", tmp_path / "images")
-    added = sorted((project_root / "data" / "shapes" / "val").rglob("*.jpg"))[:20]
+    shutil.copytree(project_root / TINY_SET / "train", tmp_path / "images")
+    added = sorted((project_root / TINY_SET / "val").rglob("*.jpg"))[:20]
 
     def splits() -> tuple[set[str], set[str]]:
         cfg = train_config(["data=imagefolder", f"data.root={tmp_path / 'images'}"])
@@ -121,7 +121,7 @@ def test_a_few_images_hold_out_one_at_least(by_path):
 def test_a_resume_holds_out_what_its_run_held_out(project_root, tmp_path):
     """train.py builds the data from this config: a run from before split_seed and
     split_by_path, resumed, validated on images it had trained on."""
-    shutil.copytree(project_root / "data" / "shapes" / "train", tmp_path / "images")
+    shutil.copytree(project_root / TINY_SET / "train", tmp_path / "images")
 
     def held_out(datamodule: PackedImageDataModule) -> list[str]:
         datamodule.setup("fit")
@@ -143,7 +143,7 @@ def test_a_resume_holds_out_what_its_run_held_out(project_root, tmp_path):
 
 def test_batches_deliver_exactly_the_planned_sizes(project_root):
     datamodule = PackedImageDataModule(
-        str(project_root / "data" / "shapes"),
+        str(project_root / TINY_SET),
         patch_size=16,
         max_patches=64,
         min_patches=4,
@@ -170,7 +170,7 @@ def test_batches_deliver_exactly_the_planned_sizes(project_root):
 def shapes_datamodule(project_root: Path, **options) -> PackedImageDataModule:
     """The tiny shapes set in batches of 4 rows x 64 tokens of 16 px patches."""
     return PackedImageDataModule(
-        str(project_root / "data" / "shapes"), patch_size=16, max_patches=64, rows=4, row_len=64, **options
+        str(project_root / TINY_SET), patch_size=16, max_patches=64, rows=4, row_len=64, **options
     )
 
 
@@ -248,7 +248,7 @@ def assert_same_batches(first: list[PackedBatch], second: list[PackedBatch]) -> 
 
 
 def test_a_resumed_loader_delivers_the_rest_of_the_epoch_whatever_its_workers(project_root):
-    root = project_root / "data" / "shapes"
+    root = project_root / TINY_SET
     uninterrupted = augmenting_datamodule(root, num_workers=0).train_dataloader()
     whole = list(uninterrupted)
     assert len(whole) > 6
@@ -295,7 +295,7 @@ def test_loader_workers_end_with_a_training_process_killed_by_sigkill(project_ro
     script = tmp_path / "killed_loader.py"
     script.write_text(KILLED_LOADER)
     result = subprocess.run(
-        [sys.executable, str(script), str(project_root / "data" / "shapes")],
+        [sys.executable, str(script), str(project_root / TINY_SET)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -314,7 +314,7 @@ def test_loader_workers_and_their_server_start_without_importing_lightning(proje
     worker forked from it imports what its dataset, collate_fn and worker_init_fn are defined
     in. Lightning in any of them would add ~2.5 s to the server's start, which every process
     of a run waits for before its first batch, or to every loader's."""
-    datamodule = PackedImageDataModule(str(project_root / "data" / "shapes"), num_workers=1)
+    datamodule = PackedImageDataModule(str(project_root / TINY_SET), num_workers=1)
     datamodule.setup("fit")
     loader = datamodule.val_dataloader()
     handed = (type(loader.dataset), type(loader.collate_fn), loader.worker_init_fn.func)

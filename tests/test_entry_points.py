@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import EarlyStopping
 from torch.utils.data import DataLoader
 
 from navit_lightning.utils.callbacks import StopEarly
-from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, logged_scalars, run_folder
+from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, TINY_SET, logged_scalars, run_folder
 from tests.test_configs import compose_train
 from tests.test_lit_module import bare_trainer, make_batch, make_model
 
@@ -76,7 +76,7 @@ def test_train_then_eval_reports_accuracy(run_entry_point):
     assert test_acc and float(test_acc.group(1)) == pytest.approx(float(accuracy.group(1)), abs=5e-5)
 
     # The same network on another folder of images.
-    images = run_entry_point.root / "data" / "shapes" / "val"
+    images = run_entry_point.root / TINY_SET / "val"
     result = run_entry_point(
         "eval.py",
         f"ckpt_path={run}/checkpoints/last.ckpt",

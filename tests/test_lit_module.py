@@ -18,6 +18,7 @@ from navit_lightning.errors import ConfigError
 from navit_lightning.lit_module import HighestValue, ImageMean, NaViTClassifier, image_loss, parameter_groups
 from navit_lightning.models import NaViT
 from navit_lightning.utils.schedules import warmup_cosine
+from tests.conftest import TINY_SET
 from tests.test_datamodule import shapes_datamodule
 from tests.test_model import SHAPE
 from tests.test_packing import PATCH_DIM, make_sample
@@ -272,7 +273,7 @@ def test_accumulated_batches_make_one_mean_over_the_steps_images(project_root):
     reference = pickle.loads(pickle.dumps(model))
 
     def small_images() -> PackedImageDataModule:  # several a row, as many as their sizes allow
-        root = str(project_root / "data" / "shapes")
+        root = str(project_root / TINY_SET)
         sizes = dict(max_patches=16, min_patches=4, rows=4, row_len=64)
         return PackedImageDataModule(root, patch_size=16, num_workers=0, **sizes)
 

@@ -14,7 +14,7 @@ from PIL import Image
 from navit_lightning.data.folder import image_files_under
 from navit_lightning.data.shapes import CLASSES
 from navit_lightning.predict import PredictionWriter
-from tests.conftest import DDP_TWO_RANKS, TINY_RUN, run_folder
+from tests.conftest import DDP_TWO_RANKS, TINY_RUN, TINY_SET, run_folder
 from tests.test_bad_input import make_messy_folder
 from tests.test_resolution import accuracy_lines
 
@@ -60,7 +60,7 @@ def test_predict_a_messy_folder_to_the_end(run_entry_point, trained, tmp_path):
 
 
 def test_predicted_classes_are_those_eval_counts(run_entry_point, trained, tmp_path):
-    shapes = run_entry_point.root / "data" / "shapes"
+    shapes = run_entry_point.root / TINY_SET
     _, rows = predict(run_entry_point, trained, shapes / "val", tmp_path / "run")
     hits = [row["class"] == row["path"].split("/")[-2] for row in rows]
     result = run_entry_point(
@@ -184,7 +184,7 @@ def test_eval_takes_the_attention_backend_and_refuses_other_model_settings(run_e
 
 
 def test_two_ddp_ranks_predict_what_one_process_does(run_entry_point, trained, tmp_path):
-    val = run_entry_point.root / "data" / "shapes" / "val"
+    val = run_entry_point.root / TINY_SET / "val"
     _, alone = predict(run_entry_point, trained, val, tmp_path / "alone")
     _, split = predict(run_entry_point, trained, val, tmp_path / "ddp", *DDP_TWO_RANKS)
     assert [row["path"] for row in split] == [row["path"] for row in alone]

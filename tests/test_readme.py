@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, TINY_RUN, TINY_SHAPES, free_port, run_folder, run_whole
+from tests.conftest import REPO, TINY_RUN, TINY_SET, TINY_SHAPES, free_port, run_folder, run_whole
 from tests.test_entry_points import assert_sane_rates, assert_written_once_by_rank_zero
 
 pytestmark = pytest.mark.slow
@@ -172,7 +172,7 @@ def test_the_readme_has_commands_and_every_one_has_a_rule():
 @pytest.mark.parametrize("command", COMMANDS)
 def test_readme_command_runs_as_written(command, readme_root, tmp_path):
     root, run = readme_root
-    line, cwd = as_run_here(command, run, root / "data" / "shapes" / "val")
+    line, cwd = as_run_here(command, run, root / TINY_SET / "val")
     if cwd == "clone":
         subprocess.run(["git", "clone", "-q", str(REPO), str(tmp_path / "clone")], check=True)
         (tmp_path / "clone" / ".venv").symlink_to(REPO / ".venv")

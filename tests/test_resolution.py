@@ -11,7 +11,7 @@ from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.lit_module import BatchCounts
 from navit_lightning.models import NaViT
 from navit_lightning.resolution import EvalCounter, budgets_that_fit, label_and_path, main, read_results
-from tests.conftest import TINY_RUN, TINY_SPEC, logged_scalars, run_folder
+from tests.conftest import TINY_RUN, TINY_SET, TINY_SPEC, logged_scalars, run_folder
 
 
 def accuracy_lines(output: str, split: str) -> dict[int, float]:
@@ -85,7 +85,7 @@ def test_budgets_past_the_position_tables_are_left_out_before_the_sweep(project_
     """At the end of a fit the sweep stopped at the first image longer than the tables (an
     error after the whole fit, hp metrics unlogged): such budgets are named and left out."""
     datamodule = PackedImageDataModule(
-        str(project_root / "data" / "shapes"), patch_size=16, max_patches=9, num_workers=0
+        str(project_root / TINY_SET), patch_size=16, max_patches=9, num_workers=0
     )
     datamodule.setup("fit")
     longest = {budget: datamodule.longest_side("val", budget) for budget in (9, 36, 64)}

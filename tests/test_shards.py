@@ -13,7 +13,7 @@ from PIL import Image
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.data.shards import write_shards
 from navit_lightning.errors import DataError
-from tests.conftest import TINY_TRAINING
+from tests.conftest import TINY_SET, TINY_TRAINING
 
 
 def datamodule(root, **kwargs):
@@ -28,7 +28,7 @@ def datamodule(root, **kwargs):
 def folder_with_a_broken_sample(project_root, tmp_path):
     """The tiny shapes set, a file that is no image, and a JPEG cut short after its header."""
     root = tmp_path / "images"
-    shutil.copytree(project_root / "data" / "shapes", root, ignore=shutil.ignore_patterns(".*"))
+    shutil.copytree(project_root / TINY_SET, root, ignore=shutil.ignore_patterns(".*"))
     (root / "train" / "circle" / "garbage.jpg").write_bytes(b"no image")
     whole = next((root / "train" / "star").glob("*.jpg")).read_bytes()
     (root / "train" / "star" / "cut.jpg").write_bytes(whole[: len(whole) // 2])
@@ -80,7 +80,7 @@ def test_a_read_only_folder_is_sharded_with_its_manifest_in_index_dir(project_ro
     from navit_lightning.data import index
 
     monkeypatch.setattr(index.os, "access", lambda path, mode: False)  # as a read-only mount says
-    root = project_root / "data" / "shapes"
+    root = project_root / TINY_SET
     write_shards(root, tmp_path / "shards", index_dir=tmp_path / "cache")
     assert any((tmp_path / "cache").iterdir()) and list((tmp_path / "shards").glob("val-*.tar"))
 
@@ -113,7 +113,7 @@ def test_train_from_shards_to_the_end(project_root, run_entry_point, tmp_path):
             sys.executable,
             "-m",
             "navit_lightning.data.shards",
-            str(project_root / "data" / "shapes"),
+            str(project_root / TINY_SET),
             str(shards),
         ],
         capture_output=True,

@@ -5,6 +5,7 @@ folder of real photos."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -18,10 +19,11 @@ from typing import Any
 
 import numpy as np
 from filelock import FileLock, Timeout
+from omegaconf import OmegaConf
 from PIL import Image, ImageDraw
 
 from navit_lightning.data.workers import map_with_progress
-from navit_lightning.errors import DataError
+from navit_lightning.errors import ConfigError, DataError, require_counts
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +48,52 @@ class ShapesSpec:
     max_side: int = 192
     max_aspect: float = 2.0
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        prefix = "data.generate"
+        counts = {"num_train": self.num_train, "num_val": self.num_val, "num_test": self.num_test}
+        require_counts(prefix, **counts)
+        for split, count in counts.items():
+            if count < len(CLASSES):  # a class folder without an image can neither train nor score
+                raise ConfigError(
+                    f"{prefix}.{split}={count} must be at least {len(CLASSES)}: an image of each class"
+                )
+        require_counts(prefix, min_side=self.min_side, max_side=self.max_side)
+        if self.min_side > self.max_side:
+            raise ConfigError(f"{prefix}.min_side={self.min_side} must not be above max_side={self.max_side}")
+        if (
+            isinstance(self.max_aspect, bool)
+            or not isinstance(self.max_aspect, (int, float))
+            or self.max_aspect < 1
+        ):
+            raise ConfigError(
+                f"{prefix}.max_aspect={self.max_aspect} must be 1 or above (2 allows 2:1 and 1:2)"
+            )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ConfigError(f"{prefix}.seed={self.seed} must be a whole number")
+
+
+def folder_name(settings: Mapping[str, Any] | None) -> str:
+    """The folder in paths.data_dir of the set that `settings` (data.generate) make, the Hydra
+    resolver `shapes_folder`: `shapes` for the default set, `shapes-<hash of the settings>` for
+    another, so that a run of other settings never replaces a set that another run reads."""
+    defaults = asdict(ShapesSpec())
+    chosen = {**defaults, **{key: value for key, value in dict(settings or {}).items() if key != "_target_"}}
+    if chosen == defaults:
+        return "shapes"
+    # 2 and 2.0 are one setting; a value of another type is refused when the spec is built
+    numbers = {
+        key: float(value) if isinstance(value, (int, float)) else str(value) for key, value in chosen.items()
+    }
+    return "shapes-" + hashlib.sha256(json.dumps(numbers, sort_keys=True).encode()).hexdigest()[:8]
+
+
+# configs/data/shapes.yaml names its root with it.
+OmegaConf.register_new_resolver(
+    "shapes_folder",
+    lambda settings: folder_name(OmegaConf.to_container(settings, resolve=True) if settings else None),
+    replace=True,
+)
 
 
 def _polygon(cx: float, cy: float, radii: list[float], angle: float) -> list[tuple[float, float]]:
