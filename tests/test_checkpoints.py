@@ -212,12 +212,15 @@ def test_a_whole_checkpoint_passes(tmp_path):
 
 
 def test_eval_data_must_have_the_checkpoints_classes():
-    check_same_classes(["blue", "red"], ["blue", "red"], "run.ckpt")
-    check_same_classes(["blue", "red"], ["0", "1"], "old.ckpt")  # saved before the names were
+    check_same_classes(["blue", "red"], ["blue", "red"], 2, "run.ckpt")
+    check_same_classes(["blue", "red"], None, 2, "old.ckpt")  # saved before the names were
     with pytest.raises(ConfigError, match=r"\(1 not trained on: zebra; 1 missing: red\): use data"):
-        check_same_classes(["blue", "zebra"], ["blue", "red"], "run.ckpt")
+        check_same_classes(["blue", "zebra"], ["blue", "red"], 2, "run.ckpt")
     with pytest.raises(ConfigError, match=r"old.ckpt was trained on \(3 not trained on: a, b, c; 2 missing"):
-        check_same_classes(["a", "b", "c"], ["0", "1"], "old.ckpt")
+        check_same_classes(["a", "b", "c"], None, 2, "old.ckpt")
+    # folders named by number are names: 1..3 against 0..2 shifted every label without a word
+    with pytest.raises(ConfigError, match=r"\(1 not trained on: 3; 1 missing: 0\)"):
+        check_same_classes(["1", "2", "3"], ["0", "1", "2"], 3, "digits.ckpt")
 
 
 @pytest.mark.slow

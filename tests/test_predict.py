@@ -70,6 +70,12 @@ def test_predicted_classes_are_those_eval_counts(run_entry_point, trained, tmp_p
     accuracy = float(re.search(r"val accuracy: ([0-9.]+)", result.stdout + result.stderr).group(1))
     assert len(rows) == len(image_files_under(val))
     assert sum(hits) / len(hits) == pytest.approx(accuracy, abs=5e-5)  # printed to 4 places
+    # a checkpoint saved before class names were stored: its labels, by number
+    checkpoint = torch.load(trained, map_location="cpu", weights_only=True)
+    del checkpoint["class_names"]
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    _, numbered = predict(run_entry_point, tmp_path / "old.ckpt", val, tmp_path / "old")
+    assert [sorted(CLASSES)[int(row["class"])] for row in numbered] == [row["class"] for row in rows]
 
 
 def make_input(root, kind):

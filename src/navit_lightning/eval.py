@@ -56,7 +56,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     if isinstance(datamodule, PackedImageDataModule) and not data.get("evaluate_all"):
         datamodule.hold_out_as(run.data)  # the images the run never trained on, as a test of it
     with loggers_closed_on_failure(trainer):
-        check_same_classes(datamodule.class_names(), class_names, cfg.ckpt_path)
+        check_same_classes(datamodule.class_names(), class_names, run.model.num_classes, cfg.ckpt_path)
         metrics = scores(cfg, datamodule, model, trainer)
     finish_loggers(trainer, {})
     return metrics

@@ -134,7 +134,8 @@ def predict(cfg: DictConfig) -> Path:
     run, class_names = load_training_run(cfg.ckpt_path)
     data = OmegaConf.merge(data_for(cfg, run, data_keys_given()), {"generate": None})  # nothing to generate
     output = Path(cfg.paths.output_dir) / "predictions.csv"
-    writer = PredictionWriter(output, paths, class_names, cfg.top_k)
+    names = class_names or [str(label) for label in range(run.model.num_classes)]  # an older checkpoint's
+    writer = PredictionWriter(output, paths, names, cfg.top_k)
     callbacks = [*instantiate_group(cfg.get("callbacks")), writer]
     datamodule, model, trainer = build_from_checkpoint(cfg, run, data, callbacks)
     datamodule.predict_on(paths)

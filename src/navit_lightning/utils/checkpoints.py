@@ -170,19 +170,18 @@ def read_checkpoint(ckpt_path: str | Path, key: str = "ckpt_path") -> dict[str, 
     return checkpoint
 
 
-def load_training_run(ckpt_path: str | Path) -> tuple[DictConfig, list[str]]:
-    """The training config a checkpoint stores, and its class names in label order (as
-    numbers for a checkpoint saved before they were stored)."""
+def load_training_run(ckpt_path: str | Path) -> tuple[DictConfig, list[str] | None]:
+    """The training config a checkpoint stores, and its class names in label order (None for
+    a checkpoint saved before they were stored)."""
     checkpoint = read_checkpoint(ckpt_path)
     return OmegaConf.create(checkpoint["run_config"]), run_class_names(checkpoint)
 
 
-def run_class_names(checkpoint: dict[str, Any]) -> list[str]:
-    """A checkpoint's class names in label order (as numbers where it predates them)."""
-    return list(
-        checkpoint.get("class_names")
-        or [str(label) for label in range(checkpoint["run_config"]["model"]["num_classes"])]
-    )
+def run_class_names(checkpoint: dict[str, Any]) -> list[str] | None:
+    """A checkpoint's class names in label order; None where it predates them and stores
+    their number alone (run_config.model.num_classes)."""
+    names = checkpoint.get("class_names")
+    return list(names) if names else None
 
 
 def check_resumable(
@@ -207,7 +206,8 @@ def check_resumable(
             f"ckpt_path={ckpt_path} holds another network ({'; '.join(changes) or 'other tensors'}): "
             "resume with the settings it was trained with, or leave ckpt_path out to start afresh"
         )
-    check_same_classes(class_names, run_class_names(checkpoint), ckpt_path)
+    num_classes = checkpoint["run_config"]["model"]["num_classes"]
+    check_same_classes(class_names, run_class_names(checkpoint), num_classes, ckpt_path)
     if "current_model_state" in checkpoint and not averaging:
         raise ConfigError(
             f"ckpt_path={ckpt_path} was written with callbacks=ema (its weights are the average): "
@@ -277,13 +277,16 @@ def setting_changes(checkpoint: dict[str, Any], model_config: DictConfig, within
     ]
 
 
-def check_same_classes(data_names: list[str], run_names: list[str], ckpt_path: str | Path) -> None:
+def check_same_classes(
+    data_names: list[str], run_names: list[str] | None, num_classes: int, ckpt_path: str | Path
+) -> None:
     """Labels are positions among the class folders: data with other classes would be scored
-    against the wrong ones. A checkpoint saved before the names were stores only their
-    number (load_training_run numbers them), and is checked by that."""
-    numbered = run_names == [str(label) for label in range(len(run_names))]
-    if data_names == run_names or (numbered and len(data_names) == len(run_names)):
+    against the wrong ones. A checkpoint saved before the names were (run_names None) is
+    checked by their number: its folders are numbered 0, 1, ... here. Folders the user named
+    0, 1, ... are names like any others (1..10 against 0..9 shifts every label)."""
+    if data_names == run_names or (run_names is None and len(data_names) == num_classes):
         return
+    run_names = run_names or [str(label) for label in range(num_classes)]
     differences = [
         f"{len(names)} {what}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
         for what, names in (
