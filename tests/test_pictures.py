@@ -6,6 +6,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from omegaconf import open_dict
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -13,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from navit_lightning.batch import PackedShape
 from navit_lightning.data.packing import pack
 from navit_lightning.data.transforms import image_to_sample
-from navit_lightning.pictures import confusion_figure, packed_batch_figure, unpack_images
+from navit_lightning.pictures import confusion_figure, packed_batch_figure, predictions_figure, unpack_images
 from navit_lightning.train import build
 from tests.conftest import TINY_RUN, logged_scalars, run_folder
 from tests.test_configs import compose_train
@@ -89,3 +90,15 @@ def test_the_confusion_matrix_of_many_classes_is_a_picture_of_a_fixed_size():
     np.testing.assert_allclose(shares.sum(1), np.ones(200), rtol=1e-5)
     few = confusion_figure(torch.eye(3, dtype=torch.long), names[:3])
     assert len(few.axes[0].texts) == 9  # torchmetrics' plot, a count in each cell
+
+
+def test_class_names_are_drawn_as_written():
+    """A class `$5_$10` (math text to matplotlib) and a folder name that is not UTF-8 ended
+    the run at its first validation."""
+    names = ["$5_$10", "caf\udce9", "under_$5"]
+    images = [np.zeros((8, 8, 3), np.uint8)] * 3
+    predictions = predictions_figure(images, names, names[::-1])
+    for figure in (predictions, confusion_figure(torch.eye(3, dtype=torch.long), names)):
+        FigureCanvasAgg(figure).draw()
+    assert predictions.axes[0].get_title() == "\\$5_\\$10\n(true: under_\\$5)"  # drawn as $5_$10
+    assert predictions.axes[1].get_title().startswith("caf?\n")

@@ -80,6 +80,12 @@ def packed_batch_figure(batch: PackedBatch, patch_size: int, rows: int = 6) -> F
     return figure
 
 
+def drawn_as_written(name: str) -> str:
+    """A class folder's name as matplotlib can draw it: a `$` pair would start math text (a
+    class `$5_$10` ended the run), and a name that is not UTF-8 (surrogates) has no glyphs."""
+    return name.encode(errors="replace").decode().replace("$", r"\$")
+
+
 def predictions_figure(
     images: Sequence[np.ndarray], predicted: Sequence[str], true: Sequence[str], columns: int = 6
 ) -> Figure:
@@ -90,7 +96,8 @@ def predictions_figure(
         axes = figure.add_subplot(rows, columns, index + 1)
         axes.imshow(image.squeeze(-1) if image.shape[2] == 1 else image, cmap="gray")
         axes.set_axis_off()
-        axes.set_title(f"{guess}\n(true: {truth})", fontsize=8, color="green" if guess == truth else "red")
+        title = f"{drawn_as_written(guess)}\n(true: {drawn_as_written(truth)})"
+        axes.set_title(title, fontsize=8, color="green" if guess == truth else "red")
     return figure
 
 
@@ -107,7 +114,9 @@ def confusion_figure(matrix: torch.Tensor, class_names: Sequence[str]) -> Figure
     if classes <= MAX_LABELLED_CLASSES:
         figure = Figure(figsize=(1 + 0.6 * classes, 0.6 * classes + 0.8), layout="constrained")
         plotter = MulticlassConfusionMatrix(classes)
-        plotter.plot(val=matrix.cpu(), ax=figure.add_subplot(), labels=list(class_names))
+        plotter.plot(
+            val=matrix.cpu(), ax=figure.add_subplot(), labels=list(map(drawn_as_written, class_names))
+        )
         return figure
     counts = matrix.cpu().float()
     shares = counts / counts.sum(1, keepdim=True).clamp(min=1)
