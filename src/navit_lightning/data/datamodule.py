@@ -265,15 +265,17 @@ class PackedImageDataModule(L.LightningDataModule):
                 )
             warn_unreadable_on_rank_zero(unreadable)
             if unreadable:
-                rank_zero_warn(f"{split}: left out {len(unreadable)} unreadable files (named above)")
+                rank_zero_warn(
+                    f"{self.root / folder}: left out {len(unreadable)} unreadable files (named above)"
+                )
             splits[split] = images
         if "" not in layout.values():  # split folders: any others beside them are left out
-            tops = {path.split("/", 1)[0] for path in manifest.paths.tolist() if "/" in path}
-            unused = sorted(tops - {*layout.values()})
+            splits_in = [f"{name}/" for name in layout.values()]
+            tops = {path.split("/", 1)[0] + "/" if "/" in path else path for path in manifest.paths.tolist()}
+            unused = sorted(tops - {*splits_in})  # folders, and images beside the split folders
             if unused:
                 rank_zero_warn(
-                    f"{self.root}: left out the images in {', '.join(f'{name}/' for name in unused)} "
-                    f"(the splits are {', '.join(f'{name}/' for name in layout.values())})"
+                    f"{self.root}: left out {', '.join(unused)} (the splits are {', '.join(splits_in)})"
                 )
         if self.evaluate_all and "val" not in splits:  # every image is evaluated, none held out
             splits["val"] = splits.get("test", splits.get("train"))

@@ -291,8 +291,8 @@ class ImageFolder(Dataset):
 
     Files whose header cannot be read were left out before (split_images); an image that
     fails to decode later (a truncated file) makes __getitem__ return None, which the
-    collate drops. Each such file is warned about once and counted every time
-    (`take_unreadable_count`).
+    collate drops. Each such file is counted every time and named once, by
+    `take_unreadable_count`.
     """
 
     def __init__(self, images: Images, patch_size: int, hflip: float = 0.0) -> None:
@@ -304,6 +304,7 @@ class ImageFolder(Dataset):
         # worker at a time.
         self.failures = multiprocessing.RawArray("i", len(self))
         self._failures_taken = 0  # by take_unreadable_count, in this process
+        self._named = np.zeros(len(self), dtype=bool)  # the failed files it has named
 
     @property
     def sizes(self) -> np.ndarray:
@@ -322,14 +323,31 @@ class ImageFolder(Dataset):
                     image, int(self.images.labels[index]), self.patch_size, key.max_patches, mirror
                 )
             return drop_tokens(sample, key.keep, key.seed)
-        except UNREADABLE as error:
-            if not self.failures[index]:
-                log.warning("skipping %s: it could not be decoded (%s)", self.images.name(index), error)
+        except UNREADABLE:
             self.failures[index] += 1
             return None
 
     def take_unreadable_count(self) -> int:
-        """Decode failures since the last call, in every worker of this process's loaders."""
-        total = int(np.frombuffer(self.failures, dtype=np.int32).sum())
+        """Decode failures since the last call, in every worker of this process's loaders.
+        Each file failing for the first time is named here, in the process that logs to the
+        run's console and train.log (a loader worker's log reached neither)."""
+        failures = np.frombuffer(self.failures, dtype=np.int32)
+        total = int(failures.sum())
         count, self._failures_taken = total - self._failures_taken, total
+        if count:
+            for index in np.flatnonzero((failures > 0) & ~self._named):
+                log.warning(
+                    "skipping %s: it could not be decoded%s", self.images.name(index), self._why(index)
+                )
+            self._named |= failures > 0
         return count
+
+    def _why(self, index: int) -> str:
+        """What decoding the file in full says, as ` (<error>)`; the loader's decode may have
+        failed at a reduced size only."""
+        try:
+            with self.images.open(index) as file, Image.open(file) as image:
+                image.load()
+        except UNREADABLE as error:
+            return f" ({error})"
+        return ""

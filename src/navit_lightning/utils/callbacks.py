@@ -4,6 +4,7 @@ add theirs from resolution.py and predict.py)."""
 
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Any
 
@@ -11,10 +12,12 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ThroughputMonitor, WeightAveraging
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 
 from navit_lightning.errors import ConfigError
 from navit_lightning.utils.host_memory import keep_freed_memory
+
+log = logging.getLogger(__name__)
 
 
 class StoreRunConfig(L.Callback):
@@ -148,9 +151,11 @@ class RankStepReport(L.Callback):
 
 
 class UnreadableImageReport(L.Callback):
-    """Counts the images that failed to decode (each was named in a warning when it first
-    failed) as `<stage>/unreadable_images`, summed over the epoch and the ranks by Lightning's
-    own logging (see the note above), and warns once the stage's count is known."""
+    """Counts the images that failed to decode as `<stage>/unreadable_images`, summed over the
+    epoch and the ranks by Lightning's own logging (see the note above), and warns once the
+    stage's count is known. Its count also names each file failing for the first time, in
+    the rank's own process (a loader worker's log reached neither its format nor train.log);
+    under predict, which logs no metric, it names them alone."""
 
     def __init__(self) -> None:
         self.epoch: dict[str, int] = {}  # the epoch each stage last counted
@@ -169,14 +174,26 @@ class UnreadableImageReport(L.Callback):
     def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._count(trainer, pl_module, "test")
 
-    def _count(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def on_predict_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._take(trainer, "predict")
+
+    def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._take(trainer, "predict")  # where no batch held a decoded image
+
+    @staticmethod
+    def _take(trainer: L.Trainer, stage: str) -> int | None:
+        """The stage's decode failures since the last batch, in this rank's workers."""
         dataset = getattr(trainer.datamodule, "datasets", {}).get(stage)
-        if dataset is None:
+        return None if dataset is None else dataset.take_unreadable_count()
+
+    def _count(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        count = self._take(trainer, stage)
+        if count is None:
             return
         self.epoch[stage] = trainer.current_epoch
         pl_module.log(
             f"{stage}/unreadable_images",
-            float(dataset.take_unreadable_count()),  # since the last batch, in this rank's workers
+            float(count),
             on_step=False,
             on_epoch=True,
             reduce_fx="sum",
@@ -206,7 +223,10 @@ class UnreadableImageReport(L.Callback):
         total = trainer.callback_metrics.get(f"{stage}/unreadable_images")
         if total is not None and total > 0:
             count = f"{int(total)} image{'s' if total > 1 else ''}"
-            rank_zero_warn(f"{stage} epoch {epoch}: skipped {count} that could not be decoded")
+            if (
+                trainer.is_global_zero
+            ):  # a log line, which train.log keeps (a warning went to the console alone)
+                log.warning("%s epoch %d: skipped %s that could not be decoded", stage, epoch, count)
 
 
 class StopEarly(EarlyStopping):

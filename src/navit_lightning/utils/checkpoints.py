@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning.errors import ConfigError
+from navit_lightning.utils.callbacks import UnreadableImageReport
 from navit_lightning.utils.instantiate import absolute_path, dotted_settings, instantiate_group
 from navit_lightning.utils.shutdown import is_explained_elsewhere
 
@@ -358,7 +359,8 @@ def build_from_checkpoint(
 ) -> tuple[L.LightningDataModule, L.LightningModule, L.Trainer]:
     """For eval.py and predict.py: `data`'s datamodule, the network of the training config
     `run` (the weights come from cfg.ckpt_path when the trainer runs), and a trainer of
-    cfg.trainer with cfg's loggers and `callbacks` that writes no checkpoints."""
+    cfg.trainer with cfg's loggers and `callbacks` (and an UnreadableImageReport) that writes
+    no checkpoints."""
     given = keys_given("model")
     if refused := sorted(given - RUNTIME_MODEL_SETTINGS):
         named = ", ".join(f"model.{key}" if key else "model" for key in refused)
@@ -379,7 +381,7 @@ def build_from_checkpoint(
     trainer = hydra.utils.instantiate(
         cfg.trainer,
         logger=instantiate_group(cfg.get("logger")) or False,
-        callbacks=callbacks or [],
+        callbacks=[UnreadableImageReport(), *(callbacks or [])],  # it names the files that fail to decode
         enable_checkpointing=False,  # else Lightning adds a ModelCheckpoint of its own
     )
     return datamodule, model, trainer
