@@ -35,6 +35,24 @@ class InterruptAtStep(L.Callback):
             os.kill(os.getpid(), signal.SIGTERM if self.how == "sigterm" else signal.SIGUSR1)
 
 
+class InterruptAfterStep(L.Callback):
+    """Raise an error in the on_train_batch_end of the batch that made global step `step`, or
+    (`validation=True`) in the first validation of fit after it, at its batch `batch`: a
+    Ctrl-C or an error after a step and before its batch's end."""
+
+    def __init__(self, step: int, validation: bool = False, batch: int = 0) -> None:
+        self.step, self.validation, self.batch = step, validation, batch
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if trainer.global_step == self.step and not self.validation:
+            raise RuntimeError(f"interrupted after step {self.step} on purpose")
+
+    def on_validation_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int, *args) -> None:
+        fits = self.validation and not trainer.sanity_checking
+        if fits and trainer.global_step == self.step and batch_idx == self.batch:
+            raise RuntimeError(f"interrupted in the validation after step {self.step} on purpose")
+
+
 class CountEvaluatedBatches(L.Callback):
     """Prints the batches of every validation (past the sanity check) and test, for the tests
     of what limits them."""

@@ -447,6 +447,54 @@ def test_a_run_stopped_mid_epoch_resumes_exactly(run_entry_point, ranks, how, sa
     assert_resumed_exactly(whole, stopped, first_events, saved_at)
 
 
+@pytest.mark.slow
+def test_a_run_stopped_after_a_step_and_before_its_batchs_end_resumes_exactly(run_entry_point):
+    """Ctrl-C or an error in a step's on_train_batch_end: the resume logged every later step
+    one too low. In the validation after it: the resume took that validation as run (none
+    logged, its best checkpoint never written, an older one tested), and under callbacks=ema
+    carried on from the average as the trained weights."""
+    command = [
+        *TINY_SHAPES,
+        "data.rows=4",
+        "trainer.max_epochs=2",
+        "trainer.log_every_n_steps=1",
+        "callbacks=ema",
+    ]
+    whole = run_entry_point.root / "whole"
+    run_entry_point("train.py", *command, f"hydra.run.dir={whole}")
+    expected = logged_scalars(whole / "tensorboard")
+    (first_validation, _), _ = expected["val/acc"]
+    for stopped, where in (
+        (run_entry_point.root / "after_step", ["+callbacks.interrupt.step=3"]),
+        (
+            run_entry_point.root / "in_validation",
+            [
+                f"+callbacks.interrupt.step={first_validation + 1}",
+                "+callbacks.interrupt.validation=true",
+                "+callbacks.interrupt.batch=1",
+            ],
+        ),
+    ):
+        interrupt = ["+callbacks.interrupt._target_=tests.interruptions.InterruptAfterStep", *where]
+        result = run_entry_point("train.py", *command, *interrupt, f"hydra.run.dir={stopped}", check=False)
+        assert result.returncode == 1 and "on purpose" in result.stderr, (result.stdout + result.stderr)[
+            -3000:
+        ]
+        saved_at = torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+        first_events = set((stopped / "tensorboard").iterdir())
+        run_entry_point("train.py", *command, f"hydra.run.dir={stopped}", "ckpt_path=last")
+        assert_resumed_exactly(whole, stopped, first_events, saved_at)
+        resumed = {tag: [] for tag in expected}
+        for events in sorted(set((stopped / "tensorboard").iterdir()) - first_events):
+            for tag, values in logged_scalars(events).items():
+                resumed.setdefault(tag, []).extend(values)
+        assert resumed["val/acc"] == [
+            (step, acc) for step, acc in expected["val/acc"] if step >= saved_at - 1
+        ]
+        checkpoints = sorted(p.name for p in (stopped / "checkpoints").iterdir())
+        assert checkpoints == sorted(p.name for p in (whole / "checkpoints").iterdir())
+
+
 def assert_resumed_exactly(whole: Path, stopped: Path, first_events: set[Path], saved_at: int) -> None:
     """The run in `stopped`, resumed from step `saved_at`, logged the losses of the run never
     stopped, `whole`, at the same steps from there, and ended with the same weights."""

@@ -70,6 +70,7 @@ class EMAWeights(WeightAveraging):
         if not 0 <= decay < 1:
             raise ConfigError(f"callbacks.ema.decay={decay} must be in [0, 1): e.g. 0.995")
         super().__init__(multi_avg_fn=partial(ema_update, 1 - decay))
+        self.average_in_model = False  # between a fit validation's start and end
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
@@ -78,10 +79,21 @@ class EMAWeights(WeightAveraging):
     def on_validation_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             super().on_validation_epoch_start(trainer, pl_module)
+            self.average_in_model = self._average_model is not None
 
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
             super().on_validation_epoch_end(trainer, pl_module)
+            self.average_in_model = False
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        # A stop inside a validation: the save on it (ResumeCheckpoint, after this callback)
+        # would store the average as the trained weights and the trained ones as the average.
+        if self.average_in_model:
+            self._swap_models(pl_module)
+            self.average_in_model = False
 
 
 class PackedThroughputMonitor(ThroughputMonitor):

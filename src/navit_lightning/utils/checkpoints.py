@@ -107,8 +107,11 @@ class ResumeCheckpoint(ModelCheckpoint):
                     "ckpt_path=last resumes from the last periodic or epoch save"
                 )
             return
-        # last.ckpt only: ModelCheckpoint would also write a step-named copy
-        if self._should_save_on_exception(trainer):
+        # last.ckpt only: ModelCheckpoint would also write a step-named copy. Also where a save
+        # at this step came before the validation that stopped: its resume would skip it.
+        if self._should_save_on_exception(trainer) or (
+            in_fit_validation(trainer) and not trainer.fast_dev_run
+        ):
             rewind_to_last_step(trainer)
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
         # also where it was saved at this step already (an epoch's end, then a signal)
@@ -128,20 +131,52 @@ def batches_stepped(trainer: L.Trainer) -> int:
     return done - done % trainer.accumulate_grad_batches
 
 
+def in_fit_validation(trainer: L.Trainer) -> bool:
+    """Whether fit is running one of its validations (not the sanity check)."""
+    return trainer.validating and not trainer.sanity_checking
+
+
 def rewind_to_last_step(trainer: L.Trainer) -> None:
     """Counts this epoch's batches after its last optimizer step as never fetched, before a
     save on a stop: a batch fetched and not finished (a stop at its start or in its step), and
     an open accumulation window's batches, whose gradients no checkpoint holds. Lightning's
     resume would count them as done: it would skip them, and log every later step one too
-    far. The weights have not moved since that step, so the resume replays them exactly."""
-    progress = trainer.fit_loop.epoch_loop.batch_progress
+    far. The weights have not moved since that step, so the resume replays them exactly.
+    A stop after that step and before its batch's end (in its on_train_batch_end, or in the
+    validation due after it) leaves that end to the resume: it runs the validation again from
+    its first batch (the metrics of one cut short are in no checkpoint; Lightning's resume
+    took it as done, and tested an older best checkpoint), then counts the step for the
+    loggers, as the batch's end would have (they logged every later step one too low)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    progress = epoch_loop.batch_progress
     stepped = batches_stepped(trainer)
+    in_validation = in_fit_validation(trainer)
+    end_pending = stepped == progress.current.processed and (
+        in_validation or progress.current.completed < stepped
+    )
     for field in ("ready", "started", "processed", "completed"):
         surplus = getattr(progress.current, field) - stepped
         setattr(progress.current, field, stepped)
         setattr(progress.total, field, getattr(progress.total, field) - surplus)
     if stepped < trainer.num_training_batches:
         progress.is_last_batch = False
+    if not end_pending:
+        return
+    if in_validation or epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+        validate_again(epoch_loop.val_loop, in_validation)
+    else:
+        epoch_loop._batches_that_stepped += 1
+
+
+def validate_again(val_loop: Any, started: bool) -> None:
+    """Sets fit's validation loop to what Lightning reads as a stop inside the first batch of
+    a validation (RESTARTED_MID_EVALUATION), which a resume runs from there: dropping the
+    batches of this one, if it has `started`."""
+    progress = val_loop.batch_progress
+    before = progress.total.completed - (progress.current.completed if started else 0)
+    for tracker, base in ((progress.total, before), (progress.current, 0)):
+        tracker.ready = tracker.started = base + 1
+        tracker.processed = tracker.completed = base
 
 
 def read_checkpoint(ckpt_path: str | Path, key: str = "ckpt_path") -> dict[str, Any]:
