@@ -42,6 +42,11 @@ def test_torchrun_ranks_take_rank_zeros_stamp_from_the_agent_store(monkeypatch):
     monkeypatch.setattr(launch, "datetime", OtherClock)
     assert launch.run_stamp(PATTERN) == stamp != "2000-01-01_00-00-00"
     assert launch.quiet_rank_overrides() == list(launch.QUIET_RANK_OVERRIDES)
+    # a worker group torchrun restarted (--max-restarts) later: the first one's folder, where
+    # ckpt_path=last finds its checkpoint (one of its own started afresh)
+    torchrun_env(monkeypatch, rank=0, port=port)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert launch.run_stamp(PATTERN) == stamp
     del agent_store
 
 

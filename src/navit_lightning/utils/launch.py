@@ -91,11 +91,11 @@ def _shared_through_torchrun_store(stamp: str) -> str:
         is_master=False,
         timeout=timedelta(minutes=5),
     )
-    # A restarted worker group gets a folder of its own.
-    key = f"{STAMP_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+    # Set once: a worker group torchrun restarts (--max-restarts) takes the first one's folder,
+    # where ckpt_path=last finds the checkpoint it left (a folder of its own began afresh).
     if int(os.environ["RANK"]) == 0:
-        store.set(key, stamp)
-    return store.get(key).decode()
+        store.compare_set(STAMP_KEY, "", stamp)
+    return store.get(STAMP_KEY).decode()
 
 
 class IsolateJobs(Callback):
