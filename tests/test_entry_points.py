@@ -163,11 +163,17 @@ def test_early_stopping_stops_every_ddp_rank_after_the_same_epoch(run_entry_poin
     assert f"[rank: 0] {stopped}" in output and f"[rank: 1] {stopped}" not in output, output[-3000:]
     assert len(logged_scalars(run / "tensorboard")["val/acc"]) == 2  # of trainer.max_epochs=4
 
-    # the same command again resumes a stopped run: it trained another epoch and stopped again
+    # the same command again resumes a stopped run: it stays stopped, and reports the best
+    # val/acc of its fit (the value a sweep optimises), which it did not validate again
     steps = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
+    events = set((run / "tensorboard").iterdir())
     result = run_entry_point(*command, "ckpt_path=last", f"hydra.run.dir={run}")
     assert "it stays stopped" in result.stdout + result.stderr
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == steps
+    best = max(acc for _, acc in logged_scalars(run / "tensorboard")["val/acc"])
+    resumed = [logged_scalars(path) for path in set((run / "tensorboard").iterdir()) - events]
+    logged = [acc for scalars in resumed for _, acc in scalars.get("hp/val_acc", [])]
+    assert max(logged) == pytest.approx(best), logged  # beside the placeholder the run declares first
 
 
 def test_a_resumed_early_stop_takes_the_commands_patience_and_older_checkpoints_counts():

@@ -137,6 +137,10 @@ def fit_and_test(
             with requeue_when_asked(trainer):
                 trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+        if cfg.train and "val/acc_best" not in metrics and model.val_acc_best.max_value.isfinite():
+            # a resumed fit that had ended (a stop in its test) validates no more: its best is the
+            # checkpoint's, which hp/val_acc and a sweep's optimized_metric still need
+            metrics["val/acc_best"] = float(model.val_acc_best.max_value)
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
         # what test and the patch budgets evaluate: the best checkpoint of the fit, or the
         # checkpoint train=false was given
