@@ -1,4 +1,5 @@
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
@@ -17,6 +18,7 @@ from torch.utils.data import DataLoader
 
 from navit_lightning.batch import PackedBatch
 from navit_lightning.bench import train_config
+from navit_lightning.data import workers
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.data.folder import Images, hold_out
 from navit_lightning.data.index import StringTable
@@ -328,6 +330,29 @@ def test_loader_workers_and_their_server_start_without_importing_lightning(proje
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("main_module", "preloads_datamodule"),
+    [
+        (None, False),  # python train.py: the server runs the script, which imports the rest
+        ("navit_lightning.bench.data_loading", True),  # python -m X: X is not preloaded by name
+        ("pytest.__main__", False),  # a package's __main__, which no process runs again
+    ],
+)
+def test_the_forkserver_preloads_the_worker_code_and_a_module_mains_datamodule(
+    monkeypatch, main_module, preloads_datamodule
+):
+    """What the server imports once before its first fork, so that no loader worker imports
+    it again; and start_context hands it to the server."""
+    spec = None if main_module is None else SimpleNamespace(name=main_module)
+    monkeypatch.setitem(sys.modules, "__main__", SimpleNamespace(__spec__=spec))
+    datamodule = ["navit_lightning.data.datamodule"] if preloads_datamodule else []
+    assert workers.forkserver_preload() == ["__main__", *WORKER_MODULES, *datamodule]
+    preloaded = []
+    monkeypatch.setattr(multiprocessing.get_context("forkserver"), "set_forkserver_preload", preloaded.append)
+    assert workers.start_context("forkserver") is multiprocessing.get_context("forkserver")
+    assert preloaded == [["__main__", *WORKER_MODULES, *datamodule]]
 
 
 def test_a_module_main_starts_its_loader_workers_without_a_warning(project_root):

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from navit_lightning.batch import PackedBatch
+from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.lit_module import NaViTClassifier
 from navit_lightning.strategies import PackedDataParallelStrategy
 from navit_lightning.strategies.dp import apply_replicas, split_rows
@@ -28,6 +29,20 @@ class RecordStep(L.Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         self.grads = {name: p.grad.clone() for name, p in pl_module.named_parameters() if p.grad is not None}
+
+
+def dp_trainer(**options) -> L.Trainer:
+    """PackedDataParallelStrategy over two CPU stand-ins for GPUs."""
+    return L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=PackedDataParallelStrategy(),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **options,
+    )
 
 
 def fit_one_step(head: str, strategy, devices: int) -> tuple[NaViTClassifier, L.Trainer, RecordStep]:
@@ -101,3 +116,23 @@ def test_a_replica_error_reaches_the_caller():
     shares = split_rows(make_batch(), [torch.device("cpu")] * 2)
     with pytest.raises(RuntimeError, match="replica failed"):
         apply_replicas([Broken(), Broken()], shares, [torch.device("cpu")] * 2)
+
+
+def test_a_dp_process_loads_the_rows_of_every_device_it_drives(tmp_path):
+    """The datamodule gives a dp process data.rows per device: with one device's rows, each
+    of two GPUs got half a batch, and the run trained on half the data.rows it asked for."""
+    trainer = dp_trainer()
+    assert trainer.strategy.devices_per_process == 2
+    datamodule = PackedImageDataModule(str(tmp_path), patch_size=16, max_patches=64, rows=4, row_len=64)
+    datamodule.trainer = trainer
+    assert datamodule.process_shape().rows == 2 * 4
+
+
+@pytest.mark.parametrize("stage", ["validate", "test", "predict"])
+def test_dp_splits_the_rows_over_the_devices_in_evaluation_and_prediction_too(stage):
+    """Not in training alone: a validation, test or prediction ran every row on the first device."""
+    model = make_model("linear")
+    rows: list[int] = []
+    model.net.register_forward_pre_hook(lambda _, args: rows.append(len(args[0].patches)))
+    getattr(dp_trainer(), stage)(model, DataLoader([make_batch()], batch_size=None))
+    assert rows == [2, 2]

@@ -4,9 +4,13 @@ the heap, without faulting its pages in again."""
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from navit_lightning.utils import callbacks
+from navit_lightning.utils.callbacks import KeepFreedHostMemory
 from navit_lightning.utils.host_memory import glibc
 
 # In a fresh process: the setting is the process's own, and would outlive the test here.
@@ -39,3 +43,14 @@ def test_freed_host_memory_is_reused_only_where_the_model_runs_on_the_cpu():
     # Without it: each 64 MiB tensor mapped afresh, all its pages faulted in again.
     assert on_cuda >= 4 * PAGES_OF_64_MIB * 0.9, result.stdout
     assert on_cpu < PAGES_OF_64_MIB / 10, result.stdout
+
+
+@pytest.mark.parametrize(("device", "kept"), [("cpu", True), ("cuda", False)])
+def test_freed_host_memory_is_kept_only_for_a_model_on_the_cpu(monkeypatch, device, kept):
+    """Which runs get the setting, checked on any host (the test above skips where huge pages
+    hide it): a run on a GPU would keep its peak host memory, for no faster step."""
+    calls = []
+    monkeypatch.setattr(callbacks, "keep_freed_memory", lambda: calls.append(device))
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
+    KeepFreedHostMemory().setup(trainer, None, "fit")
+    assert calls == ([device] if kept else [])

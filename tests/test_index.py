@@ -86,6 +86,11 @@ def test_a_second_index_opens_no_readable_image_and_a_changed_folder_reads_only_
     with image_files_opened() as opened:
         again = index_folder(root)
     assert len(opened) == len(changed.paths) and again.paths == changed.paths
+    # and so is an empty one (a copy that never started: numpy raises EOFError on 0 bytes)
+    manifest_path(root).write_bytes(b"")
+    with image_files_opened() as opened:
+        again = index_folder(root)
+    assert len(opened) == len(changed.paths) and again.paths == changed.paths
 
     monkeypatch.setattr(index, "read_size", lambda path: (5, 6))  # as a decoder that reads it now
     mended = index_folder(root)
@@ -184,3 +189,37 @@ def test_a_file_name_that_is_not_utf8_is_indexed_as_listed(tmp_path):
     row = manifest.paths.tolist().index(f"cats/{name}")
     assert manifest.sizes[row].tolist() == [9, 8]
     assert Manifest.load(manifest_path(root)).paths.tolist() == manifest.paths.tolist()
+
+
+def test_a_touched_file_is_read_once_and_its_new_stamp_saved(tmp_path):
+    """A file rewritten with the same bytes (a copy, a touch) keeps its size: a manifest that
+    compared sizes alone with the saved one was not saved, and every later index opened the
+    file again."""
+    root = tmp_path / "images"
+    (root / "cats").mkdir(parents=True)
+    for number in range(3):
+        Image.new("RGB", (9 + number, 7)).save(root / "cats" / f"{number}.png")
+    index_folder(root)
+    touched = (root / "cats" / "1.png").stat()
+    os.utime(root / "cats" / "1.png", ns=(touched.st_atime_ns, touched.st_mtime_ns + 10**9))
+    with image_files_opened() as opened:
+        index_folder(root)
+    assert opened == ["1.png"]
+    saved = Manifest.load(manifest_path(root))
+    assert saved.stamps[saved.paths.tolist().index("cats/1.png"), 0] == touched.st_mtime_ns + 10**9
+    with image_files_opened() as opened:
+        index_folder(root)
+    assert opened == []
+
+
+def test_image_suffixes_are_taken_in_any_case(tmp_path):
+    """A camera's B.JPG and an export's Y.PNG are images as a.png is: a suffix compared as
+    written left them out of the data set without a word."""
+    root = tmp_path / "images"
+    (root / "cat").mkdir(parents=True)
+    Image.new("RGB", (8, 6)).save(root / "cat" / "a.png")
+    Image.new("RGB", (8, 6)).save(root / "cat" / "B.JPG", "JPEG")
+    Image.new("RGB", (5, 4)).save(root / "Y.PNG", "PNG")
+    manifest = index_folder(root)
+    assert manifest.paths.tolist() == ["Y.PNG", "cat/B.JPG", "cat/a.png"]
+    assert manifest.readable.all() and manifest.sizes.tolist() == [[4, 5], [6, 8], [6, 8]]

@@ -1,8 +1,10 @@
 """The classifier around NaViT: a head over the real images only, and filler batches."""
 
+import math
 import pickle
 import warnings
 from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -15,7 +17,14 @@ from navit_lightning.batch import PackedBatch, PackedShape, image_index
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.data.packing import pack
 from navit_lightning.errors import ConfigError
-from navit_lightning.lit_module import HighestValue, ImageMean, NaViTClassifier, image_loss, parameter_groups
+from navit_lightning.lit_module import (
+    HighestValue,
+    ImageMean,
+    NaViTClassifier,
+    ResumePoint,
+    image_loss,
+    parameter_groups,
+)
 from navit_lightning.models import NaViT
 from navit_lightning.utils.schedules import warmup_cosine
 from tests.conftest import TINY_SET
@@ -342,3 +351,59 @@ def test_epoch_metrics_keep_32_bits_under_bf16_true():
     best = HighestValue().to(dtype=torch.bfloat16)
     best.update(torch.tensor(0.975))
     assert best.compute().item() == pytest.approx(0.975, abs=1e-7)
+
+
+@torch.no_grad()
+def test_predict_step_gives_each_images_number_and_class_probabilities():
+    """predict.py writes these as each image's class probabilities: logits there summed to
+    anything and went below 0."""
+    model, batch = make_model("linear").eval(), make_batch()
+    numbers, probabilities = model.predict_step(batch, 0)
+    assert numbers.tolist() == batch.labels[batch.image_slots].tolist()
+    assert probabilities.shape == (batch.num_images, 3)
+    assert ((probabilities >= 0) & (probabilities <= 1)).all()
+    torch.testing.assert_close(probabilities.sum(-1), torch.ones(batch.num_images))
+    torch.testing.assert_close(probabilities, model(batch).softmax(-1))
+
+
+def test_a_training_step_logs_its_batchs_images_and_fill(monkeypatch):
+    """train/images_per_batch is the batch's image count and train/fill its real tokens'
+    share of its slots: swapped, each read as the other."""
+    model, batch = make_model("linear"), make_batch(images=7)
+    logged: dict[str, Any] = {}
+    monkeypatch.setattr(model, "log", lambda name, value, **_: logged.setdefault(name, value))
+    model.training_step(batch, 0)
+    assert batch.num_images == 7 and batch.num_real_tokens < batch.image_ids.numel()
+    assert logged["train/images_per_batch"].item() == 7
+    assert logged["train/fill"].item() == pytest.approx(batch.num_real_tokens / batch.image_ids.numel())
+
+
+def test_a_resumed_epoch_has_no_more_batches_left_than_this_run_gives_it():
+    """Resumed 5 batches into an epoch planned at 8 a rank, where this run's epoch has 4 (on
+    twice the ranks): nothing of it is left, not the 3 the old plan had still to go."""
+    assert ResumePoint(5, 0, 5, 8).batches_left(4) == 0
+    assert ResumePoint(5, 0, 5, 8).batches_left(10) == 3  # the old plan's 8 bound it
+    assert ResumePoint(2, 0, 2, 8).batches_left(4) == 2
+
+
+def schedule_model(resumed: ResumePoint | None, **trainer: Any) -> NaViTClassifier:
+    """A model resumed at `resumed` under a stand-in Trainer with `trainer`'s settings."""
+    model = make_model("linear")
+    settings = dict(estimated_stepping_batches=30, max_epochs=3, max_steps=-1, accumulate_grad_batches=1)
+    model.trainer = SimpleNamespace(**{**settings, "num_training_batches": 10, **trainer})
+    model._resumed_at = resumed
+    return model
+
+
+def test_a_resumed_runs_schedule_is_its_steps_made_and_to_come_capped_at_max_steps():
+    """Resumed at step 10, the end of epoch 0 of 3 at 10 batches an epoch: 20 steps to come.
+    trainer.max_steps=12 ends the run at step 12, where the cosine must end too: at 30 it
+    stopped a third of the way down."""
+    at_epoch_end = ResumePoint(10, 0, 10, 10)
+    assert schedule_model(at_epoch_end)._schedule_length() == 30
+    assert schedule_model(at_epoch_end, max_steps=12)._schedule_length() == 12
+    assert schedule_model(at_epoch_end, max_steps=50)._schedule_length() == 30
+    # a fresh run, or one of unknown length: Lightning's estimate
+    assert schedule_model(None, estimated_stepping_batches=12, max_steps=12)._schedule_length() == 12
+    unbounded = schedule_model(at_epoch_end, max_epochs=-1, estimated_stepping_batches=math.inf)
+    assert unbounded._schedule_length() == math.inf

@@ -6,9 +6,13 @@ import csv
 import re
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
+from unittest.mock import MagicMock
 
 import pytest
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
+from navit_lightning.utils.loggers import loggers_closed_on_failure
 from tests.conftest import TINY_RUN, logged_scalars, run_folder
 
 pytestmark = pytest.mark.slow
@@ -152,3 +156,16 @@ def test_callbacks_none_writes_no_checkpoint(run_entry_point):
         "train.py", "callbacks=none", "trainer.enable_checkpointing=true", *TINY_RUN, "test=false"
     )
     assert list((run_entry_point.root / "logs").rglob("*.ckpt"))  # Lightning's own, when asked for
+
+
+def test_a_failed_job_closes_its_loggers_as_failed():
+    """A job that fails must not leave its loggers marked a success: its W&B run showed
+    finished, exit code 0, and MLflow's run FINISHED, for a job that had crashed."""
+    csv_logger, wandb_logger = MagicMock(spec=CSVLogger), MagicMock(spec=WandbLogger)
+    trainer = SimpleNamespace(loggers=[csv_logger, wandb_logger], global_step=3)
+    with pytest.raises(ZeroDivisionError), loggers_closed_on_failure(trainer):
+        raise ZeroDivisionError("an error in fit")
+    for logger in (csv_logger, wandb_logger):
+        logger.finalize.assert_called_once_with("failed")
+        logger.log_metrics.assert_not_called()  # nothing final to log
+    wandb_logger.experiment.finish.assert_called_once_with(exit_code=1)

@@ -4,7 +4,10 @@ and TensorBoard entries that agree with a plain evaluation."""
 import re
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
+import torch
+from torch.utils.data import DataLoader
 
 from navit_lightning import resolution
 from navit_lightning.data.datamodule import PackedImageDataModule
@@ -12,6 +15,7 @@ from navit_lightning.lit_module import BatchCounts
 from navit_lightning.models import NaViT
 from navit_lightning.resolution import EvalCounter, budgets_that_fit, label_and_path, main, read_results
 from tests.conftest import TINY_RUN, TINY_SET, TINY_SPEC, logged_scalars, run_folder
+from tests.test_lit_module import bare_trainer
 
 
 def accuracy_lines(output: str, split: str) -> dict[int, float]:
@@ -79,6 +83,66 @@ def test_an_evaluations_seconds_span_its_first_batchs_start_to_its_last_batchs_e
         now[0] += 2.0
         counter.on_test_batch_end(None, module, None, None, batch_idx)
     assert max(logged["test/seconds"]) == 22.0 and logged["test/images"] == [3.0] * 3
+
+
+class CountedBatches(L.LightningModule):
+    """Each batch an int n: n images of 10 real tokens each, as NaViTClassifier counts them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.batch_counts = BatchCounts(0, 0, 0)
+
+    def validation_step(self, batch: int, batch_idx: int) -> None:
+        self.batch_counts = BatchCounts(int(batch), 10 * int(batch), 10 * int(batch))
+
+
+def test_lightning_reduces_an_evaluations_seconds_to_their_maximum_and_sums_its_counts(monkeypatch):
+    """accuracy_across_budgets reads each loader's values from trainer.callback_metrics: the
+    seconds so far, logged after every batch, reduced by a sum instead of their maximum made
+    images/s several times too low; the images and tokens must be summed."""
+    clock = iter(range(100))
+    monkeypatch.setattr(resolution, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    trainer = bare_trainer()
+    trainer.callbacks.append(EvalCounter())
+    trainer.validate(CountedBatches(), DataLoader([1, 2, 3], batch_size=None), verbose=False)
+    # started at 0, then 1, 2 and 3 s after each batch: the pass took 3 s
+    assert float(trainer.callback_metrics["val/seconds"]) == 3.0
+    assert float(trainer.callback_metrics["val/images"]) == 6.0
+    assert float(trainer.callback_metrics["val/real_tokens"]) == 60.0
+
+
+def test_images_per_second_are_images_over_each_budgets_seconds():
+    """Each budget's images/s is its images over its seconds (its real tokens over them read
+    as images/s several times too high), and its patches per image its real tokens over its
+    images, read from its loader's metrics; the run's loggers and callbacks are put back."""
+    metrics = {}
+    for index, (images, real_tokens, accuracy, seconds) in enumerate(
+        [(40, 360, 0.5, 2.0), (40, 1200, 0.75, 8.0)]
+    ):
+        for name, value in (
+            ("images", images),
+            ("real_tokens", real_tokens),
+            ("acc", accuracy),
+            ("seconds", seconds),
+        ):
+            metrics[f"val/{name}/dataloader_idx_{index}"] = torch.tensor(value)
+    evaluated_at = []
+    validations = []
+    trainer = SimpleNamespace(
+        validate=lambda model, **kwargs: validations.append(kwargs),
+        loggers=["a logger"],
+        callbacks=[],
+        callback_metrics=metrics,
+    )
+    datamodule = SimpleNamespace(evaluate_at=evaluated_at.append)
+    results = resolution.accuracy_across_budgets(trainer, None, datamodule, [9, 36], "val")
+    assert results == [
+        resolution.BudgetResult(9, 9.0, 0.5, 20.0),
+        resolution.BudgetResult(36, 30.0, 0.75, 5.0),
+    ]
+    assert evaluated_at == [[9, 36], None] and len(validations) == 1
+    assert trainer.loggers == ["a logger"] and trainer.callbacks == []
 
 
 def test_budgets_past_the_position_tables_are_left_out_before_the_sweep(project_root):

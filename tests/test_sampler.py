@@ -133,6 +133,16 @@ def test_keys_follow_the_policy():
     )
 
 
+def test_token_dropping_leaves_every_image_a_token():
+    """A 1-patch image at drop rate 0.6 rounds to no token: an image that gets a label and a
+    slot in the batch but no token to pool."""
+    sizes = [[16, 16], [64, 64]]  # 1 patch and 16 patches of 16 px
+    keys = all_keys(SizePolicy(patch_size=16, max_patches=64, drop_rate=0.6), sizes)
+    assert [key.keep for key in keys] == [1, round(16 * 0.4)]
+    beta = SizePolicy(patch_size=16, max_patches=64, drop_beta=(8, 1))  # rates near 1
+    assert all(key.keep >= 1 for key in all_keys(beta, [[16, 16]] * 20 + [[64, 64]] * 20))
+
+
 def scalar_fit_grid(height: int, width: int, patch_size: int, max_patches: int) -> tuple[int, int]:
     """fit_grid as it was first written, one image in Python floats."""
     scale = min(1.0, math.sqrt(max_patches * patch_size**2 / (height * width)))

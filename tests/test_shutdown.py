@@ -1,6 +1,7 @@
 """A multi-process run that breaks the collective rules, or gets a signal while stuck,
 ends: with one line naming the rank and the hook, and no process left behind."""
 
+import multiprocessing
 import os
 import re
 import signal
@@ -11,8 +12,20 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch.distributed
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from navit_lightning.utils.shutdown import GRACE_S, RequeueRequested, descendants, requeue_when_asked
+from navit_lightning.strategies.ddp import _JobRankObserver
+from navit_lightning.utils.shutdown import (
+    GRACE_S,
+    NOTHING,
+    REQUEUE,
+    STOP,
+    RequeueRequested,
+    StopTogetherOnSigterm,
+    descendants,
+    requeue_when_asked,
+)
 from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, free_port, run_whole
 
 pytestmark = pytest.mark.slow
@@ -75,6 +88,9 @@ def test_a_node_that_never_starts_ends_the_run_with_one_line(run_entry_point):
     output = result.stdout + result.stderr
     assert result.returncode == 3, output[-3000:]
     assert "error: rank 0: the 2 ranks did not all join within 8 s (Timed out after" in output
+    # torch's own figure: the join waited startup_timeout_s, not the collective's 1 s
+    waited = re.search(r"Timed out after (\d+) seconds", output)
+    assert waited and int(waited.group(1)) >= 8, output[-3000:]
     assert "Traceback" not in output
     assert 8 < time.monotonic() - start < 120
 
@@ -148,3 +164,113 @@ def test_a_requeue_without_scontrol_ends_with_its_line(monkeypatch, tmp_path, ca
     with pytest.raises(RequeueRequested), requeue_when_asked(SimpleNamespace(is_global_zero=True)):
         raise RequeueRequested(128 + signal.SIGUSR1)
     assert "error: scontrol requeue 77 failed: requeue it yourself, or resubmit" in caplog.text
+
+
+@pytest.mark.parametrize(("is_global_zero", "requeued"), [(True, True), (False, False)])
+def test_only_rank_zero_runs_scontrol_requeue(monkeypatch, tmp_path, is_global_zero, requeued):
+    """Every rank stops on SIGUSR1, and each would requeue the job once more: rank 0 alone
+    runs `scontrol requeue`."""
+    calls = tmp_path / "calls"
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    trainer = SimpleNamespace(is_global_zero=is_global_zero)
+    with pytest.raises(RequeueRequested), requeue_when_asked(trainer):
+        raise RequeueRequested(128 + signal.SIGUSR1)
+    assert (calls.read_text() if calls.exists() else "") == ("requeue 77\n" if requeued else "")
+
+
+def test_a_sigterm_after_slurms_requeue_signal_still_requeues():
+    """At the time limit SLURM sends SIGUSR1 (requeue), then SIGTERM: the weaker request
+    must not replace the stronger one, or the job stopped without being requeued."""
+    callback = StopTogetherOnSigterm()
+    callback._record(0, REQUEUE, signal.SIGUSR1, None)
+    callback._record(0, STOP, signal.SIGTERM, None)
+    assert callback.signalled == REQUEUE
+    trainer = SimpleNamespace(accumulate_grad_batches=1)
+    with pytest.raises(RequeueRequested):
+        callback.on_train_batch_start(trainer, None, None, 0)
+
+
+# What each rank asked, in turn, and what every rank must then do: the strongest request.
+RANK_REQUESTS = [(STOP, STOP), (REQUEUE, STOP), (NOTHING, STOP), (NOTHING, NOTHING)]
+AGREED = [STOP, REQUEUE, STOP, NOTHING]
+
+
+def stop_together(rank: int, port: int, results) -> None:
+    """One rank of a 2-rank gloo group: StopTogetherOnSigterm's decision for each of RANK_REQUESTS."""
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank
+    )
+    trainer = SimpleNamespace(
+        world_size=2, accumulate_grad_batches=1, strategy=SimpleNamespace(collective_timeout_s=30)
+    )
+    callback = StopTogetherOnSigterm()
+    callback.setup(trainer, None, "fit")
+    decisions = []
+    for requests in RANK_REQUESTS:
+        callback.signalled = NOTHING
+        if requests[rank] != NOTHING:
+            signum = signal.SIGUSR1 if requests[rank] == REQUEUE else signal.SIGTERM
+            callback._record(rank, requests[rank], signum, None)
+        try:
+            callback.on_train_batch_start(trainer, None, None, 0)
+            decisions.append(NOTHING)
+        except RequeueRequested:
+            decisions.append(REQUEUE)
+        except SIGTERMException:
+            decisions.append(STOP)
+    callback.teardown(trainer, None, "fit")
+    torch.distributed.destroy_process_group()
+    results.put((rank, decisions))
+
+
+def test_ranks_signalled_alike_stop_alike_on_the_strongest_request():
+    """scancel (and torchrun, forwarding SIGTERM) signals every rank: all of them asked to
+    stop must stop, not requeue (a sum of the requests said REQUEUE at 2 ranks, and nothing
+    at 3); a requeue and a stop requeue."""
+    context = multiprocessing.get_context("fork")  # torch is imported already: ~1 s, not ~10
+    results = context.Queue()
+    port = free_port()
+    ranks = [context.Process(target=stop_together, args=(rank, port, results)) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    try:
+        decided = dict(results.get(timeout=60) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.join(timeout=10)
+            process.kill()
+    assert decided == {0: AGREED, 1: AGREED}
+
+
+@pytest.mark.parametrize("in_sweep", [False, True])
+def test_a_failed_rank_ends_the_launching_process_after_the_grace_outside_a_sweep_only(in_sweep):
+    """Once a popen rank fails, the others are killed; the launching process (rank 0) too,
+    after grace_s, but not in a sweep, where it runs the sweep's later jobs."""
+    failed = subprocess.Popen(["sh", "-c", "exit 1"])
+    failed.wait(timeout=30)
+    other_rank = subprocess.Popen(["sleep", "60"])
+    launching = subprocess.Popen(["sleep", "60"])  # stands in for the process that started the ranks
+    try:
+        observer = _JobRankObserver([failed, other_rank], in_sweep=in_sweep)
+        observer._main_pid = launching.pid  # not this test's own process
+        observer.grace_s = 0.5
+        start = time.monotonic()
+        assert observer._run()  # its watch ends
+        took = time.monotonic() - start
+        assert other_rank.wait(timeout=10) == -signal.SIGKILL
+        if in_sweep:
+            time.sleep(0.5)
+            assert launching.poll() is None
+        else:
+            assert launching.wait(timeout=5) == -signal.SIGKILL
+            assert took >= observer.grace_s
+    finally:
+        other_rank.kill()
+        launching.kill()
+        other_rank.wait()
+        launching.wait()
