@@ -433,11 +433,13 @@ def test_a_run_stopped_mid_epoch_resumes_exactly(run_entry_point, ranks, how, sa
     if not ranks:  # another batch shape plans other batches, another network: refused, last.ckpt kept
         last = stopped / "checkpoints" / "last.ckpt"
         for change, refusal in (
-            ("data.rows=3", f"stopped after batch {saved_at} of epoch 0, planned from other data"),
-            ("model.net.depth=2", "holds another network (model.net.depth=4 there, 2 here): resume with"),
+            (["data.rows=3"], f"stopped after batch {saved_at} of epoch 0, planned from other data"),
+            (["model.net.depth=2"], "holds another network (model.net.depth=4 there, 2 here): resume with"),
+            # refused before the ranks start: each refused it, and took it for a crash at step 0
+            (DDP_TWO_RANKS, f"stopped after batch {saved_at} of epoch 0 on 1 rank(s), this run has 2"),
         ):
             other = run_entry_point(
-                "train.py", *command, change, f"hydra.run.dir={stopped}", "ckpt_path=last", check=False
+                "train.py", *command, *change, f"hydra.run.dir={stopped}", "ckpt_path=last", check=False
             )
             errors = [line for line in (other.stdout + other.stderr).splitlines() if "error:" in line]
             assert other.returncode == 2 and len(errors) == 1 and refusal in errors[0], errors

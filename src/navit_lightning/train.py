@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.data.datamodule import EFFECTIVE_BATCH_METRICS, PackedImageDataModule
+from navit_lightning.data.sampler import refuse_other_ranks
 from navit_lightning.errors import ConfigError
 from navit_lightning.lit_module import NaViTClassifier
 from navit_lightning.resolution import accuracy_across_budgets, budgets_that_fit, report
@@ -127,9 +128,12 @@ def fit_and_test(
     if ckpt_path is not None:
         # train=false evaluates a callbacks=ema checkpoint's weights, its average, as eval.py does
         averaging = not cfg.train or any(isinstance(c, WeightAveraging) for c in trainer.callbacks)
-        run = check_resumable(model, cfg.model, ckpt_path, averaging, datamodule.class_names())
+        checkpoint = check_resumable(model, cfg.model, ckpt_path, averaging, datamodule.class_names())
         if isinstance(datamodule, PackedImageDataModule):  # the run's val split, not this config's
-            datamodule.hold_out_as(run["data"])
+            datamodule.hold_out_as(checkpoint["run_config"]["data"])
+            position = checkpoint.get(type(datamodule).__qualname__, {}).get("train_position")
+            if cfg.train and position:
+                refuse_other_ranks(position, trainer.world_size)
     elif cfg.train and cfg.get("init_from") is not None:
         load_initial_weights(model, cfg.model, cfg.init_from, datamodule.class_names())
     with explain_collective_failure(trainer):

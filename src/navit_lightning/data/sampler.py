@@ -295,17 +295,11 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
             self.sampler.set_epoch(epoch + 1)
             return
         self.sampler.set_epoch(epoch)
-        where = f"the checkpoint stopped after batch {done} of epoch {epoch}"
-        fix = "or resume from a checkpoint taken at the end of an epoch (checkpoints/epoch_*.ckpt)"
-        if position["ranks"] != self.num_replicas:
-            raise DataError(
-                f"{where} on {position['ranks']} rank(s), this run has {self.num_replicas}: resume on "
-                f"{position['ranks']} (trainer.devices x trainer.num_nodes), {fix}"
-            )
+        refuse_other_ranks(position, self.num_replicas)
         if position["plan"] != self._epoch_plan().digest:
             raise DataError(
-                f"{where}, planned from other data (the images under data.root, or the data.* or "
-                f"seed settings, changed since): resume with the same ones, {fix}"
+                f"{stopped_at(position)}, planned from other data (the images under data.root, or the "
+                f"data.* or seed settings, changed since): resume with the same ones, {RESUME_AT_EPOCH_END}"
             )
         self._resume_at = (epoch, done)
 
@@ -338,3 +332,21 @@ def _size_array(sizes: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray:
     if isinstance(sizes, np.ndarray):
         return np.asarray(sizes, dtype=np.int64).reshape(-1, 2)
     return np.fromiter(chain.from_iterable(sizes), dtype=np.int64, count=2 * len(sizes)).reshape(-1, 2)
+
+
+RESUME_AT_EPOCH_END = "or resume from a checkpoint taken at the end of an epoch (checkpoints/epoch_*.ckpt)"
+
+
+def stopped_at(position: Mapping[str, Any]) -> str:
+    return f"the checkpoint stopped after batch {position['batches_done']} of epoch {position['epoch']}"
+
+
+def refuse_other_ranks(position: Mapping[str, Any], ranks: int) -> None:
+    """A training `position` (TrainLoader.state_dict) from inside an epoch resumes on its own
+    number of ranks alone: the epoch's plan dealt its batches to them. train.py asks before
+    the ranks start, which would each refuse it."""
+    if position["batches_done"] < position["batches_per_rank"] and position["ranks"] != ranks:
+        raise DataError(
+            f"{stopped_at(position)} on {position['ranks']} rank(s), this run has {ranks}: resume on "
+            f"{position['ranks']} (trainer.devices x trainer.num_nodes), {RESUME_AT_EPOCH_END}"
+        )

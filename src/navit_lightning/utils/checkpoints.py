@@ -227,7 +227,7 @@ def check_resumable(
     averaging: bool,
     class_names: list[str],
 ) -> dict[str, Any]:
-    """The run config the checkpoint at `ckpt_path` holds, once it is one to resume.
+    """The checkpoint at `ckpt_path` (memory-mapped), once it is one to resume.
     Refused here with one line, before launch: a checkpoint of another network (Lightning
     would fail in every rank on a page of size mismatches), of other classes (`class_names`:
     the data's; a renamed class folder would shift the labels without a word), and one
@@ -249,7 +249,7 @@ def check_resumable(
             f"ckpt_path={ckpt_path} was written with callbacks=ema (its weights are the average): "
             "resume with callbacks=ema, which carries on from the trained weights saved beside it"
         )
-    return checkpoint["run_config"]
+    return checkpoint
 
 
 def load_initial_weights(
