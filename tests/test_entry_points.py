@@ -62,6 +62,7 @@ def test_train_then_eval_reports_accuracy(run_entry_point):
     # Lightning's noise that asks nothing of the user is dropped (tidy_lightning_output).
     for noise in ("LeafSpec", "on_before_batch_transfer", "litlogger"):
         assert noise not in output, noise
+    assert "could not be decoded" not in output  # every image decodes: no report of 0 skipped
 
     # The checkpoint alone says which network and data: no overrides needed.
     result = run_entry_point("eval.py", f"ckpt_path={run}/checkpoints/last.ckpt")
