@@ -66,7 +66,18 @@ def test_resuming_another_network_other_classes_or_an_ema_run_without_ema_is_ref
     classes = ["bird", "cat", "dog"]
     path = tmp_path / "last.ckpt"
     run_config = {"model": OmegaConf.to_container(config, resolve=True)}
-    torch.save({"state_dict": model.state_dict(), "run_config": run_config, "class_names": classes}, path)
+    weights = {"state_dict": model.state_dict(), "run_config": run_config, "class_names": classes}
+    torch.save(weights, path)  # save_weights_only: tested by train=false, not resumed (a traceback)
+    check_resumable(model, config, path, False, classes, fitting=False)
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            f"holds weights alone (no optimizer or loop state to resume): start a fit from them with "
+            f"init_from={path}"
+        ),
+    ):
+        check_resumable(model, config, path, False, classes)
+    torch.save({**weights, "optimizer_states": []}, path)
     check_resumable(*built_model("model.num_classes=3", "optimizer.lr=1e-2"), path, False, classes)
     with pytest.raises(
         ConfigError, match=re.escape("another network (model.net.dim=32 there, 64 here): resume")
@@ -90,7 +101,10 @@ def test_resuming_another_network_other_classes_or_an_ema_run_without_ema_is_ref
         check_resumable(model, config, path, False, ["bird", "dog", "kitty"])
     averaged = tmp_path / "ema.ckpt"
     state = model.state_dict()
-    torch.save({"state_dict": state, "current_model_state": state, "run_config": run_config}, averaged)
+    torch.save(
+        {"state_dict": state, "current_model_state": state, "run_config": run_config, "optimizer_states": []},
+        averaged,
+    )
     check_resumable(model, config, averaged, True, classes)  # saved before the names were: numbered
     with pytest.raises(ConfigError, match=r"was written with callbacks=ema \(its weights are the average\)"):
         check_resumable(model, config, averaged, False, classes)

@@ -128,7 +128,9 @@ def fit_and_test(
     if ckpt_path is not None:
         # train=false evaluates a callbacks=ema checkpoint's weights, its average, as eval.py does
         averaging = not cfg.train or any(isinstance(c, WeightAveraging) for c in trainer.callbacks)
-        checkpoint = check_resumable(model, cfg.model, ckpt_path, averaging, datamodule.class_names())
+        checkpoint = check_resumable(
+            model, cfg.model, ckpt_path, averaging, datamodule.class_names(), fitting=cfg.train
+        )
         if isinstance(datamodule, PackedImageDataModule):  # the run's val split, not this config's
             datamodule.hold_out_as(checkpoint["run_config"]["data"])
             position = checkpoint.get(type(datamodule).__qualname__, {}).get("train_position")

@@ -226,15 +226,23 @@ def check_resumable(
     ckpt_path: str | Path,
     averaging: bool,
     class_names: list[str],
+    fitting: bool = True,
 ) -> dict[str, Any]:
-    """The checkpoint at `ckpt_path` (memory-mapped), once it is one to resume.
+    """The checkpoint at `ckpt_path` (memory-mapped), once it is one to resume (`fitting`;
+    train=false tests it).
     Refused here with one line, before launch: a checkpoint of another network (Lightning
     would fail in every rank on a page of size mismatches), of other classes (`class_names`:
     the data's; a renamed class folder would shift the labels without a word), and one
     written with callbacks=ema resumed without an averaging callback (Lightning would carry
     on from the average, which the checkpoint holds as its weights, and drop the trained
-    weights saved beside it)."""
+    weights saved beside it), and one of weights alone (save_weights_only) for a fit, which
+    failed mid-start with a traceback, after writing a last.ckpt of its own."""
     checkpoint = read_checkpoint(ckpt_path)
+    if fitting and "optimizer_states" not in checkpoint:
+        raise ConfigError(
+            f"ckpt_path={ckpt_path} holds weights alone (no optimizer or loop state to resume): "
+            f"start a fit from them with init_from={ckpt_path} instead"
+        )
     changes = setting_changes(checkpoint, model_config, "model.")
     network_changed = any(change.startswith("model.net.") for change in changes)
     if network_changed or tensor_shapes(checkpoint["state_dict"]) != tensor_shapes(model.state_dict()):
