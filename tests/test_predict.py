@@ -171,7 +171,7 @@ def test_eval_makes_a_moved_runs_built_in_set_before_checking_its_budgets(run_en
         env={"PROJECT_ROOT": str(elsewhere)},
     )
     assert set(accuracy_lines(result.stdout + result.stderr, "val")) == {9, 36}
-    assert (elsewhere / "data" / "shapes" / "shapes.json").is_file()
+    assert (elsewhere / TINY_SET / "shapes.json").is_file()
 
 
 def test_eval_takes_the_attention_backend_and_refuses_other_model_settings(run_entry_point, trained):

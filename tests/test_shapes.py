@@ -84,21 +84,26 @@ def test_two_processes_generating_one_set_make_it_once(tmp_path):
 
 
 def test_a_moved_runs_built_in_data_is_read_in_this_data_dir_unless_another_set_is_there(tmp_path):
-    """Its stored root is the old clone's: eval.py made the set there (or a traceback where
-    that path could not be written)."""
+    """Its stored root is the old clone's (eval.py made the set there, or a traceback where
+    that path could not be written), or data/shapes from before each set had a folder of its
+    own: eval.py reads the set's own folder in this data_dir, never one holding another set."""
     spec = {"_target_": "navit_lightning.data.shapes.ShapesSpec", **asdict(TINY)}
     old_clone = tmp_path / "old" / "data" / "shapes"
     here = tmp_path / "here"
-    assert shapes.root_for_run(str(old_clone), str(here), spec) == str(here / "shapes")
-    shapes.generate(here / "shapes", TINY, workers=1)  # the same set made here: read
-    assert shapes.root_for_run(str(old_clone), str(here), spec) == str(here / "shapes")
-    other = {**spec, "num_train": TINY.num_train + 1}  # another set's images would be replaced
-    with pytest.raises(DataError, match=r"holds another set \(num_train=6 there\): set paths.data_dir to a"):
-        shapes.root_for_run(str(old_clone), str(here), other)
+    tiny_here = here / shapes.folder_name(spec)
+    assert tiny_here.name.startswith("shapes-")
+    assert shapes.root_for_run(str(old_clone), str(here), spec) == str(tiny_here)
+    shapes.generate(tiny_here, TINY, workers=1)  # the same set made here: read
+    assert shapes.root_for_run(str(old_clone), str(here), spec) == str(tiny_here)
+    other = {**spec, "num_train": TINY.num_train + 1}  # its own folder beside it
+    assert shapes.root_for_run(str(old_clone), str(here), other) == str(here / shapes.folder_name(other))
     old_clone.mkdir(parents=True)  # the run's own folder, where it is still there
     assert shapes.root_for_run(str(old_clone), str(here), other) == str(old_clone)
-    # where another set has replaced it since (a run training on it): the same refusal
-    with pytest.raises(
-        DataError, match=r"\(.*/here/shapes\) holds another set now \(num_train=6 there\): set paths"
-    ):
-        shapes.root_for_run(str(here / "shapes"), str(here), other)
+    # data/shapes holds the tiny set (the older layout): a run of the default set trained on
+    # its images before they were replaced; making its set there would replace them again
+    default = {"_target_": "navit_lightning.data.shapes.ShapesSpec", **asdict(shapes.ShapesSpec())}
+    shapes.generate(here / "shapes", TINY, workers=1)
+    with pytest.raises(DataError, match=r"\(.*/here/shapes\) holds another set now \(num_test=6 there"):
+        shapes.root_for_run(str(here / "shapes"), str(here), default)
+    # and a run of the tiny set that read data/shapes finds its images there still
+    assert shapes.root_for_run(str(here / "shapes"), str(here), spec) == str(here / "shapes")

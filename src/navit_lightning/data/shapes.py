@@ -64,7 +64,7 @@ class ShapesSpec:
         if (
             isinstance(self.max_aspect, bool)
             or not isinstance(self.max_aspect, (int, float))
-            or self.max_aspect < 1
+            or not 1 <= self.max_aspect < math.inf  # nan too
         ):
             raise ConfigError(
                 f"{prefix}.max_aspect={self.max_aspect} must be 1 or above (2 allows 2:1 and 1:2)"
@@ -255,12 +255,13 @@ def made_here(root: Path) -> dict[str, Any] | None:
 def root_for_run(run_root: str, data_dir: str, spec: Mapping[str, Any]) -> str:
     """Where eval.py reads a run's built-in set (`spec`, its data.generate): the run's own
     folder where it is there; else, or where another set has replaced it there since, this
-    machine's data_dir/<its name> (a run from another clone or machine; the same images,
-    from their seed). Never a folder that holds another finished set: making this one would
-    replace it under whatever reads it (a run training on it)."""
+    machine's data_dir/<the spec's folder> (a run from another clone or machine, or from
+    before each spec had its own folder; the same images, from their seed). Never a folder
+    that holds another finished set: making this one would replace it under whatever reads
+    it (a run training on it)."""
     wanted = finished_marker(ShapesSpec(**{key: value for key, value in spec.items() if key != "_target_"}))
     own = Path(run_root).expanduser()
-    here = Path(data_dir) / own.name
+    here = Path(data_dir) / folder_name(spec)
     for root in (own, here) if own.is_dir() else (here,):
         made = made_here(root)
         if made is None or made == wanted:  # the run's set, or none finished to replace
