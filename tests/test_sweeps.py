@@ -175,3 +175,23 @@ def test_a_sweep_of_a_setting_beside_the_search_is_refused_with_one_line(run_ent
     assert (
         "error: hparams_search=optuna searches hydra.sweeper.params: give the other settings fixed" in output
     )
+
+
+@pytest.mark.parametrize(
+    "launch",
+    [
+        {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "RANK": "0"},
+        {"SLURM_NTASKS": "2", "SLURM_PROCID": "0"},
+    ],
+    ids=["torchrun", "srun"],
+)
+def test_a_study_under_several_launched_processes_is_refused(monkeypatch, caplog, launch):
+    """Under srun (no WORLD_SIZE) every task ran a study of its own against one database."""
+    from hydra_plugins.navit_optuna_sweeper.optuna_sweeper import OptunaSweeper
+
+    for name, value in launch.items():
+        monkeypatch.setenv(name, value)
+    sweeper = OptunaSweeper("shapes", None, "maximize", n_trials=1, n_jobs=1, seed=0, params={})
+    with pytest.raises(SystemExit) as ended:
+        sweeper.sweep([])
+    assert ended.value.code == 2 and "error: hparams_search runs as one process" in caplog.text

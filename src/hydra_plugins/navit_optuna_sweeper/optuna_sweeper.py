@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,8 @@ from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
+
+from navit_lightning.utils.launch import external_launch_rank
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,9 @@ class OptunaSweeper(Sweeper):
     def sweep(self, arguments: list[str]) -> None:
         import optuna
 
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if external_launch_rank() is not None:
             # every process of torchrun or srun would run a study of its own (and ask for
-            # other parameters than its peers)
+            # other parameters than its peers); srun sets no WORLD_SIZE
             log.error(
                 "error: hparams_search runs as one process: python train.py -m hparams_search=optuna "
                 "strategy=ddp trainer.devices=N (each trial's ranks are started by Lightning), not "
