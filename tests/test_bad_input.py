@@ -5,6 +5,7 @@ import io
 import logging
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from navit_lightning.data.packing import PackCollate
 from navit_lightning.data.sampler import SizePolicy
 from navit_lightning.data.transforms import image_to_sample, to_rgb, upright_size
 from navit_lightning.errors import DataError
+from navit_lightning.utils.callbacks import UnreadableImageReport
 from tests.conftest import TINY_TRAINING, run_folder
 
 CORRUPT = Path(__file__).parent / "data" / "corrupt"
@@ -159,20 +161,39 @@ def test_unreadable_files_are_left_out_at_scan_and_truncated_ones_when_decoded(t
     with caplog.at_level(logging.WARNING):
         samples = [dataset[key] for key in keys]
         assert not caplog.text  # a loader worker's log would reach neither the console's format nor train.log
-        assert dataset.take_unreadable_count() == 2
+        dataset.name_new_failures()
         samples += [dataset[key] for key in keys]
-        assert dataset.take_unreadable_count() == 2
+        dataset.name_new_failures()
+        assert dataset.take_unreadable_count() == 4
         assert dataset.take_unreadable_count() == 0  # taken
     names = [Path(dataset.images.name(index)).name for index in range(len(dataset))]
     failed = sorted(names[i % len(names)] for i, s in enumerate(samples) if s is None)
     assert failed == ["truncated.jpg"] * 2 + ["truncated.png"] * 2
-    for name in ("truncated.jpg", "truncated.png"):  # named once, by the count, with what decoding says
+    for name in ("truncated.jpg", "truncated.png"):  # named once, with what decoding says
         assert (
             len(re.findall(rf"skipping \S*{name}: it could not be decoded \(.*truncated", caplog.text)) == 1
         )
 
     batch = PackCollate(PackedShape(8, 64, 8), 16 * 16 * 3)(samples[: len(names)])
     assert batch.num_images == len(names) - 2
+
+
+def test_every_loader_names_the_files_it_could_not_decode_whatever_the_callbacks(tmp_path, caplog):
+    """callbacks=none (debug=fdr too) skipped them without a word once the report callback
+    named them; eval.py at several patch budgets counted none."""
+    datamodule = PackedImageDataModule(str(make_messy_folder(tmp_path / "images")), num_workers=0)
+    datamodule.setup("fit")
+    with caplog.at_level(logging.WARNING):
+        for loader in (datamodule.train_dataloader(), datamodule.val_dataloader()):
+            list(loader)
+    named = re.findall(r"skipping \S*/(\S+): it could not be decoded", caplog.text)
+    assert sorted(named) == ["truncated.jpg", "truncated.png"]
+    report, counts = UnreadableImageReport(), {"test/unreadable_images/dataloader_idx_0": torch.tensor(2.0)}
+    report.epoch["test"] = 0
+    counts["test/unreadable_images/dataloader_idx_1"] = torch.tensor(2.0)  # the same images at another budget
+    with caplog.at_level(logging.WARNING):
+        report.on_test_end(SimpleNamespace(callback_metrics=counts, is_global_zero=True), None)
+    assert "test epoch 0: skipped 2 images that could not be decoded" in caplog.text
 
 
 def test_files_that_pillows_plugins_fail_on_otherwise_are_skipped_too(tmp_path):

@@ -465,27 +465,29 @@ def test_a_run_stopped_mid_epoch_resumes_exactly(run_entry_point, ranks, how, sa
 
 @pytest.mark.slow
 def test_a_run_stopped_after_a_step_and_before_its_batchs_end_resumes_exactly(run_entry_point):
-    """Ctrl-C or an error in a step's on_train_batch_end: the resume logged every later step
-    one too low. In the validation after it: the resume took that validation as run (none
+    """Ctrl-C or an error in the on_train_batch_end of an epoch's last step, no validation
+    due: the resume trained one step more (before, at any step: it logged every later step one
+    too low). In the validation after a step: the resume took that validation as run (none
     logged, its best checkpoint never written, an older one tested), and under callbacks=ema
     carried on from the average as the trained weights."""
     command = [
         *TINY_SHAPES,
         "data.rows=4",
         "trainer.max_epochs=2",
+        "trainer.check_val_every_n_epoch=2",
         "trainer.log_every_n_steps=1",
         "callbacks=ema",
     ]
     whole = run_entry_point.root / "whole"
     run_entry_point("train.py", *command, f"hydra.run.dir={whole}")
     expected = logged_scalars(whole / "tensorboard")
-    (first_validation, _), _ = expected["val/acc"]
+    steps = len(expected["train/loss_step"])
     for stopped, where in (
-        (run_entry_point.root / "after_step", ["+callbacks.interrupt.step=3"]),
+        (run_entry_point.root / "after_epoch_0", [f"+callbacks.interrupt.step={steps // 2}"]),
         (
             run_entry_point.root / "in_validation",
             [
-                f"+callbacks.interrupt.step={first_validation + 1}",
+                f"+callbacks.interrupt.step={steps}",
                 "+callbacks.interrupt.validation=true",
                 "+callbacks.interrupt.batch=1",
             ],

@@ -72,7 +72,7 @@ def test_shards_give_the_folders_batches_and_skip_a_broken_sample(
         assert torch.equal(folder_batch.patches, shard_batch.patches)
         assert torch.equal(folder_batch.labels, shard_batch.labels)
     assert from_shards.datasets["train"].take_unreadable_count() == 1
-    assert "cut.jpg: it could not be decoded" in caplog.text  # named by the count
+    assert "cut.jpg: it could not be decoded" in caplog.text  # named by its loader
 
 
 def test_a_read_only_folder_is_sharded_with_its_manifest_in_index_dir(project_root, tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ from navit_lightning.resolution import (
     past_the_tables,
     report,
 )
+from navit_lightning.utils.callbacks import UnreadableImageReport
 from navit_lightning.utils.checkpoints import (
     build_from_checkpoint,
     check_same_classes,
@@ -52,7 +53,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     data = data_for(cfg, run, given)
     if data.get("generate") and "root" not in given:  # the run's built-in set, maybe made elsewhere
         data.root = shapes.root_for_run(data.root, cfg.paths.data_dir, data.generate)
-    datamodule, model, trainer = build_from_checkpoint(cfg, run, data)
+    datamodule, model, trainer = build_from_checkpoint(cfg, run, data, [UnreadableImageReport()])
     if isinstance(datamodule, PackedImageDataModule) and not data.get("evaluate_all"):
         datamodule.hold_out_as(run.data)  # the images the run never trained on, as a test of it
     with loggers_closed_on_failure(trainer):

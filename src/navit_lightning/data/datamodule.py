@@ -44,7 +44,18 @@ EFFECTIVE_BATCH_METRICS = ("effective_batch/tokens", "effective_batch/images")
 warn_unreadable_on_rank_zero = rank_zero_only(warn_unreadable)
 
 
-class TrainLoader(DataLoader):
+class NamingLoader(DataLoader):
+    """A loader of an ImageFolder that names each file failing to decode in this process, as
+    the batches come (ImageFolder.name_new_failures), whatever the callbacks."""
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in super().__iter__():
+            self.dataset.name_new_failures()
+            yield batch
+        self.dataset.name_new_failures()
+
+
+class TrainLoader(NamingLoader):
     """The training loader, resumable mid-epoch through Lightning's `_Stateful` protocol
     (its state goes into every checkpoint): the epoch, and how many of its batches the
     training step finished on every rank, which `batches_done` reports. The loader cannot
@@ -409,7 +420,7 @@ class PackedImageDataModule(L.LightningDataModule):
         )
         if split == "train":
             return TrainLoader(self.datasets[split], batches_done=self._train_batches_done, **options)
-        return DataLoader(self.datasets[split], **options)
+        return NamingLoader(self.datasets[split], **options)
 
     def _train_batches_done(self) -> int | None:
         """The batches of this epoch whose training step finished: Lightning's own count,

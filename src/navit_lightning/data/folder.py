@@ -291,8 +291,8 @@ class ImageFolder(Dataset):
 
     Files whose header cannot be read were left out before (split_images); an image that
     fails to decode later (a truncated file) makes __getitem__ return None, which the
-    collate drops. Each such file is counted every time and named once, by
-    `take_unreadable_count`.
+    collate drops. Each such file is counted every time (`take_unreadable_count`) and named
+    once (`name_new_failures`, which its loader calls).
     """
 
     def __init__(self, images: Images, patch_size: int, hflip: float = 0.0) -> None:
@@ -328,19 +328,18 @@ class ImageFolder(Dataset):
             return None
 
     def take_unreadable_count(self) -> int:
-        """Decode failures since the last call, in every worker of this process's loaders.
-        Each file failing for the first time is named here, in the process that logs to the
-        run's console and train.log (a loader worker's log reached neither)."""
-        failures = np.frombuffer(self.failures, dtype=np.int32)
-        total = int(failures.sum())
+        """Decode failures since the last call, in every worker of this process's loaders."""
+        total = int(np.frombuffer(self.failures, dtype=np.int32).sum())
         count, self._failures_taken = total - self._failures_taken, total
-        if count:
-            for index in np.flatnonzero((failures > 0) & ~self._named):
-                log.warning(
-                    "skipping %s: it could not be decoded%s", self.images.name(index), self._why(index)
-                )
-            self._named |= failures > 0
         return count
+
+    def name_new_failures(self) -> None:
+        """Name each file that has failed to decode since the last call, once: from the process
+        that logs to the run's console and train.log (a loader worker's log reached neither)."""
+        failed = np.frombuffer(self.failures, dtype=np.int32) > 0
+        for index in np.flatnonzero(failed & ~self._named):
+            log.warning("skipping %s: it could not be decoded%s", self.images.name(index), self._why(index))
+        self._named |= failed
 
     def _why(self, index: int) -> str:
         """What decoding the file in full says, as ` (<error>)`; the loader's decode may have

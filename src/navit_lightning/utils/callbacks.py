@@ -163,11 +163,9 @@ class RankStepReport(L.Callback):
 
 
 class UnreadableImageReport(L.Callback):
-    """Counts the images that failed to decode as `<stage>/unreadable_images`, summed over the
-    epoch and the ranks by Lightning's own logging (see the note above), and warns once the
-    stage's count is known. Its count also names each file failing for the first time, in
-    the rank's own process (a loader worker's log reached neither its format nor train.log);
-    under predict, which logs no metric, it names them alone."""
+    """Counts the images that failed to decode (each was named in a warning when it first
+    failed) as `<stage>/unreadable_images`, summed over the epoch and the ranks by Lightning's
+    own logging (see the note above), and warns once the stage's count is known."""
 
     def __init__(self) -> None:
         self.epoch: dict[str, int] = {}  # the epoch each stage last counted
@@ -186,26 +184,14 @@ class UnreadableImageReport(L.Callback):
     def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._count(trainer, pl_module, "test")
 
-    def on_predict_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self._take(trainer, "predict")
-
-    def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._take(trainer, "predict")  # where no batch held a decoded image
-
-    @staticmethod
-    def _take(trainer: L.Trainer, stage: str) -> int | None:
-        """The stage's decode failures since the last batch, in this rank's workers."""
-        dataset = getattr(trainer.datamodule, "datasets", {}).get(stage)
-        return None if dataset is None else dataset.take_unreadable_count()
-
     def _count(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        count = self._take(trainer, stage)
-        if count is None:
+        dataset = getattr(trainer.datamodule, "datasets", {}).get(stage)
+        if dataset is None:
             return
         self.epoch[stage] = trainer.current_epoch
         pl_module.log(
             f"{stage}/unreadable_images",
-            float(count),
+            float(dataset.take_unreadable_count()),  # since the last batch, in this rank's workers
             on_step=False,
             on_epoch=True,
             reduce_fx="sum",
@@ -232,7 +218,14 @@ class UnreadableImageReport(L.Callback):
         if stage not in self.epoch:
             return
         epoch = self.epoch.pop(stage)  # once per counted epoch
-        total = trainer.callback_metrics.get(f"{stage}/unreadable_images")
+        # an evaluation at several patch budgets logs it per loader, each over every image
+        name = f"{stage}/unreadable_images"
+        totals = [
+            value
+            for key, value in trainer.callback_metrics.items()
+            if key.split("/dataloader_idx_")[0] == name
+        ]
+        total = max(totals, default=None)
         if total is not None and total > 0:
             count = f"{int(total)} image{'s' if total > 1 else ''}"
             if (

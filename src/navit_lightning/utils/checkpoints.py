@@ -21,7 +21,6 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning.errors import ConfigError
-from navit_lightning.utils.callbacks import UnreadableImageReport
 from navit_lightning.utils.instantiate import absolute_path, dotted_settings, instantiate_group
 from navit_lightning.utils.shutdown import is_explained_elsewhere
 
@@ -146,7 +145,8 @@ def rewind_to_last_step(trainer: L.Trainer) -> None:
     validation due after it) leaves that end to the resume: it runs the validation again from
     its first batch (the metrics of one cut short are in no checkpoint; Lightning's resume
     took it as done, and tested an older best checkpoint), then counts the step for the
-    loggers, as the batch's end would have (they logged every later step one too low)."""
+    loggers, as the batch's end would have (they logged every later step one too low; after
+    an epoch's last batch, the resume trained one more)."""
     epoch_loop = trainer.fit_loop.epoch_loop
     progress = epoch_loop.batch_progress
     stepped = batches_stepped(trainer)
@@ -164,8 +164,9 @@ def rewind_to_last_step(trainer: L.Trainer) -> None:
         return
     if in_validation or epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
         validate_again(epoch_loop.val_loop, in_validation)
-    else:
-        epoch_loop._batches_that_stepped += 1
+    else:  # the form of a save in on_train_batch_end, whose end Lightning's resume completes
+        progress.current.completed -= 1
+        progress.total.completed -= 1
 
 
 def validate_again(val_loop: Any, started: bool) -> None:
@@ -402,8 +403,7 @@ def build_from_checkpoint(
 ) -> tuple[L.LightningDataModule, L.LightningModule, L.Trainer]:
     """For eval.py and predict.py: `data`'s datamodule, the network of the training config
     `run` (the weights come from cfg.ckpt_path when the trainer runs), and a trainer of
-    cfg.trainer with cfg's loggers and `callbacks` (and an UnreadableImageReport) that writes
-    no checkpoints."""
+    cfg.trainer with cfg's loggers and `callbacks` that writes no checkpoints."""
     given = keys_given("model")
     if refused := sorted(given - RUNTIME_MODEL_SETTINGS):
         named = ", ".join(f"model.{key}" if key else "model" for key in refused)
@@ -424,7 +424,7 @@ def build_from_checkpoint(
     trainer = hydra.utils.instantiate(
         cfg.trainer,
         logger=instantiate_group(cfg.get("logger")) or False,
-        callbacks=[UnreadableImageReport(), *(callbacks or [])],  # it names the files that fail to decode
+        callbacks=callbacks or [],
         enable_checkpointing=False,  # else Lightning adds a ModelCheckpoint of its own
     )
     return datamodule, model, trainer
