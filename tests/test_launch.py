@@ -133,7 +133,7 @@ def test_a_node_but_the_first_of_a_launch_by_hand_is_quiet(monkeypatch):
 
 def test_runs_started_in_the_same_second_get_folders_of_their_own(monkeypatch, tmp_path):
     """They shared one, and overwrote each other's checkpoints; a folder the command names
-    (a rerun in its folder, ddp's ranks 1..) is kept."""
+    (a rerun in its folder, ddp's ranks 1..) is kept. Sweeps alike."""
     for name in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID", "NODE_RANK"):
         monkeypatch.delenv(name, raising=False)
 
@@ -155,6 +155,23 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(monkeypatch, t
     assert run_folder() == str(runs / "2026-01-01_00-00-00_2")
     assert run_folder() == str(runs / "2026-01-01_00-00-00_3")
     assert run_folder(f"hydra.run.dir={runs / '2026-01-01_00-00-00'}") == str(runs / "2026-01-01_00-00-00")
+
+    # sweeps too (the second one's jobs wrote into the first one's job folders), but for a
+    # folder a config names: an Optuna study's, which the same command goes on in
+    def sweep_folder(*overrides: str) -> tuple[str, list[str]]:
+        """The sweep's folder, and the override of it that the launcher composes each job's
+        config with (it composes them again)."""
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            cfg = compose("train", [f"paths.log_dir={tmp_path}", *overrides], return_hydra_config=True)
+        launch.UniqueRunFolder().on_multirun_start(cfg)
+        return cfg.hydra.sweep.dir, [o for o in cfg.hydra.overrides.hydra if o.startswith("hydra.sweep.dir=")]
+
+    sweeps = tmp_path / "train" / "multiruns"
+    for name in ("2026-01-01_00-00-00", "2026-01-01_00-00-00_2"):
+        assert sweep_folder() == (str(sweeps / name), [f"hydra.sweep.dir='{sweeps / name}'"])
+    study = tmp_path / "train" / "optuna" / "navit"
+    for _ in range(2):
+        assert sweep_folder("hparams_search=optuna", "hydra.sweeper.study_name=navit") == (str(study), [])
     # a SLURM task but the first: its run's folder, which the first task made
     for name, value in {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_JOB_ID": "7"}.items():
         monkeypatch.setenv(name, value)

@@ -115,27 +115,42 @@ class IsolateJobs(Callback):
 
 
 class UniqueRunFolder(Callback):
-    """Hydra callback: a run started in the same second as another (a script's loop, a job
-    array) gets a folder of its own, <stamp>_2, ..., where it shared the other's and the two
-    overwrote each other's checkpoints. Only where the clock names the folder: not where the
-    command gives hydra.run.dir (a rerun in its folder, ddp's ranks 1..), nor in a process
-    of a torchrun or SLURM launch (they share their folder's name, see run_stamp)."""
+    """Hydra callback: a run or a sweep started in the same second as another (a script's
+    loop, a job array, two terminals) gets a folder of its own, <stamp>_2, ..., where it shared
+    the other's and the two overwrote each other's checkpoints and logs. Only where the clock
+    names the folder: not where the command gives hydra.run.dir (a rerun in its folder, ddp's
+    ranks 1..), nor a sweep folder a config names (an Optuna study's, which a rerun goes on
+    in), nor in a process of a torchrun or SLURM launch (they share their folder's name, see
+    run_stamp)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         given = any(o.startswith("hydra.run.dir=") for o in config.hydra.overrides.hydra)
-        if given or external_launch_rank() is not None:
-            return
-        stamped = Path(config.hydra.run.dir)
-        folder, number = stamped, 1
-        while True:
-            try:
-                folder.mkdir(parents=True)
-                break
-            except FileExistsError:
-                number += 1
-                folder = stamped.with_name(f"{stamped.name}_{number}")
-        with read_write(config.hydra.run):
-            config.hydra.run.dir = str(folder)
+        if not given and external_launch_rank() is None:
+            claim_folder(config.hydra.run)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        clock_named = "${run_stamp:" in OmegaConf.to_container(config.hydra.sweep, resolve=False)["dir"]
+        if clock_named and external_launch_rank() is None:
+            claim_folder(config.hydra.sweep)
+            # the launcher composes each job's config again from the overrides
+            quoted = config.hydra.sweep.dir.replace("'", "\\'")
+            with read_write(config.hydra.overrides):
+                config.hydra.overrides.hydra.append(f"hydra.sweep.dir='{quoted}'")
+
+
+def claim_folder(node: DictConfig) -> None:
+    """Make node.dir, or the first free <its name>_2, _3, ... beside it, and set node.dir to it."""
+    stamped = Path(node.dir)
+    folder, number = stamped, 1
+    while True:
+        try:
+            folder.mkdir(parents=True)
+            break
+        except FileExistsError:
+            number += 1
+            folder = stamped.with_name(f"{stamped.name}_{number}")
+    with read_write(node):
+        node.dir = str(folder)
 
 
 class RankZeroLogFile(Callback):
