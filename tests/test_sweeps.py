@@ -195,3 +195,15 @@ def test_a_study_under_several_launched_processes_is_refused(monkeypatch, caplog
     with pytest.raises(SystemExit) as ended:
         sweeper.sweep([])
     assert ended.value.code == 2 and "error: hparams_search runs as one process" in caplog.text
+
+
+def test_a_float_range_keeps_its_last_step():
+    """range(0, 1, step=0.3) came out as [0, 0.6]: 0.9, computed as 0.8999999999999999, was off
+    the steps to Optuna."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from hydra_plugins.navit_optuna_sweeper.optuna_sweeper import distribution
+
+    (override,) = OverridesParser.create().parse_overrides(["data.token_drop_rate=range(0,1,step=0.3)"])
+    space = distribution(override)
+    assert (space.low, space.high, space.step) == (0, 0.9, 0.3)

@@ -45,7 +45,9 @@ def distribution(override: Override) -> Any:
         last = sweep.start + (math.ceil((sweep.stop - sweep.start) / sweep.step) - 1) * sweep.step
         if all(isinstance(value, int) for value in (sweep.start, sweep.stop, sweep.step)):
             return IntDistribution(sweep.start, last, step=sweep.step)
-        return FloatDistribution(sweep.start, last, step=sweep.step)
+        # 0.8999999999999999 for range(0, 1, step=0.3): Optuna took it for off the steps and
+        # dropped 0.9 from the space
+        return FloatDistribution(sweep.start, round(last, 12), step=sweep.step)
     if isinstance(sweep, ChoiceSweep):
         return CategoricalDistribution(sweep.list)
     raise ValueError(
