@@ -45,9 +45,12 @@ def test_a_short_default_run_shows_pictures_and_hparams(run_entry_point):
     assert {*pictures, "resolution/accuracy"} <= set(images)
     scalars = logged_scalars(run / "tensorboard")
     validations = [step for step, _ in scalars["val/acc"]]
-    # one picture per validation epoch, none from the sanity check (step 0)
-    for tag in ("pictures/val_predictions", "pictures/confusion_matrix", "pictures/packed_batch"):
-        assert len(images[tag]) == len(validations) == 2 and 0 not in images[tag], (tag, images[tag])
+    # one picture per validation, none from the sanity check, at the step of its scalars (they
+    # were one step after them); the packed batch at each epoch's first loss
+    for tag in ("pictures/val_predictions", "pictures/confusion_matrix"):
+        assert images[tag] == validations and len(validations) == 2, (tag, images[tag])
+    losses = [step for step, _ in scalars["train/loss_step"]]
+    assert images["pictures/packed_batch"] == [0, len(losses) // 2] and losses == list(range(len(losses)))
     # the HPARAMS tab: the run's settings and its final results
     assert "hp/val_acc" in str(events.PluginTagToContent("hparams"))
     assert scalars["hp/val_acc"][-1][1] == pytest.approx(max(value for _, value in scalars["val/acc"]))

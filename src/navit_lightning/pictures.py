@@ -141,6 +141,14 @@ def log_figure(loggers: Sequence[Logger], tag: str, figure: Figure, step: int) -
             logger.log_image(key=tag, images=[figure], step=step)
 
 
+def scalar_step(trainer: L.Trainer) -> int:
+    """The step Lightning logs the scalars of this moment at, its count of optimizer steps
+    before this batch's: a batch's loss, a validation's accuracy. The pictures beside them go
+    there too (at trainer.global_step, which counts this batch's step already, they came one
+    step after)."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
 class LogPictures(L.Callback):
     """Pictures for the loggers that show them, never during the sanity check: the first
     packed training batch of every epoch, the first validation batch's images with their
@@ -170,7 +178,7 @@ class LogPictures(L.Callback):
     ) -> None:
         if batch_idx == 0 and self._drawing(trainer):
             figure = packed_batch_figure(batch, pl_module.net.patch_size, self.rows)
-            log_figure(trainer.loggers, "pictures/packed_batch", figure, trainer.global_step)
+            log_figure(trainer.loggers, "pictures/packed_batch", figure, scalar_step(trainer))
 
     def on_validation_batch_end(
         self,
@@ -192,10 +200,10 @@ class LogPictures(L.Callback):
         figure = predictions_figure(
             images[: len(predicted)], [names[c] for c in predicted], [names[c] for c in true]
         )
-        log_figure(trainer.loggers, "pictures/val_predictions", figure, trainer.global_step)
+        log_figure(trainer.loggers, "pictures/val_predictions", figure, scalar_step(trainer))
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         matrix = pl_module.val_confusion_matrix
         if matrix is not None and self._drawing(trainer):
             figure = confusion_figure(matrix, self.class_names)
-            log_figure(trainer.loggers, "pictures/confusion_matrix", figure, trainer.global_step)
+            log_figure(trainer.loggers, "pictures/confusion_matrix", figure, scalar_step(trainer))
