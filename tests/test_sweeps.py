@@ -207,3 +207,14 @@ def test_a_float_range_keeps_its_last_step():
     (override,) = OverridesParser.create().parse_overrides(["data.token_drop_rate=range(0,1,step=0.3)"])
     space = distribution(override)
     assert (space.low, space.high, space.step) == (0, 0.9, 0.3)
+
+
+def test_a_searched_setting_given_a_value_is_refused(caplog):
+    """optimizer.lr=1e-3 beside a search of optimizer.lr: each trial trained at its own draw."""
+    from hydra_plugins.navit_optuna_sweeper.optuna_sweeper import OptunaSweeper
+
+    params = {"optimizer.lr": "tag(log, interval(1e-4, 1e-3))"}
+    sweeper = OptunaSweeper("shapes", None, "maximize", n_trials=1, n_jobs=1, seed=0, params=params)
+    with pytest.raises(SystemExit) as ended:
+        sweeper.sweep(["optimizer.lr=1e-3", "seed=3"])
+    assert ended.value.code == 2 and "error: optimizer.lr given and searched by hparams_search" in caplog.text

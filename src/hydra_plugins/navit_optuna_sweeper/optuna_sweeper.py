@@ -115,6 +115,13 @@ class OptunaSweeper(Sweeper):
                 "'hydra.sweeper.params={optimizer.lr:\"interval(1e-4,1e-3)\"}'"
             )
             raise SystemExit(2)
+        searched = sorted({o.key_or_group for o in fixed} & set(self.params))
+        if searched:  # each trial's value would replace it without a word
+            log.error(
+                f"error: {', '.join(searched)} given and searched by hparams_search: leave it out of the "
+                "command, or search another space ('hydra.sweeper.params={...}' without it)"
+            )
+            raise SystemExit(2)
         space = {
             o.get_key_element(): distribution(o)
             for o in parser.parse_overrides([f"{key}={value}" for key, value in self.params.items()])
