@@ -218,3 +218,22 @@ def test_a_searched_setting_given_a_value_is_refused(caplog):
     with pytest.raises(SystemExit) as ended:
         sweeper.sweep(["optimizer.lr=1e-3", "seed=3"])
     assert ended.value.code == 2 and "error: optimizer.lr given and searched by hparams_search" in caplog.text
+
+
+def test_a_study_another_process_runs_is_refused(tmp_path, caplog):
+    """The same command started twice: the second failed the first one's running trial as a
+    crash's, and the first ended in a traceback when it told its result."""
+    import fcntl
+
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.navit_optuna_sweeper.optuna_sweeper import OptunaSweeper
+
+    sweeper = OptunaSweeper("shapes", None, "maximize", n_trials=1, n_jobs=1, seed=0, params={})
+    sweeper.config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    with open(tmp_path / ".study.lock", "w") as held:  # as the first process holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit) as ended:
+            sweeper.sweep([])
+    assert ended.value.code == 2 and "error: another process runs study 'shapes'" in caplog.text
+    assert not (tmp_path / "optuna.db").exists()

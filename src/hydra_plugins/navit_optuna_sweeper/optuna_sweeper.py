@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock, Timeout
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Override, RangeSweep
 from hydra.core.plugins import Plugins
@@ -128,37 +131,63 @@ class OptunaSweeper(Sweeper):
         }
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
-        study = optuna.create_study(
-            study_name=self.study_name, storage=self.storage, direction=self.direction, load_if_exists=True
-        )
-        # A study continued by a new process: a sampler seeded as the first one was would draw
-        # the parameters of its first trials again.
-        study.sampler = optuna.samplers.TPESampler(seed=self.seed + len(study.trials))
-        self._fail_interrupted(study)
-        log.info(
-            f"Optuna study {self.study_name!r} in {self.storage}: {trials_run(study)} of {self.n_trials} "
-            "trials done"
-        )
-        while (todo := self.n_trials - trials_run(study)) > 0:
-            trials = [study.ask(space) for _ in range(min(self.n_jobs, todo))]
-            overrides = [
-                [*(o.input_line for o in fixed), *(f"{key}={value}" for key, value in trial.params.items())]
-                for trial in trials
-            ]
-            results = self.launcher.launch(overrides, initial_job_idx=trials[0].number)
-            valueless = [
-                trial.number
-                for trial, result in zip(trials, results, strict=True)
-                if not self._tell(study, trial, result)
-            ]
-            if valueless:  # every trial would end so: the study would run on without a result
-                log.error(
-                    f"error: trial {valueless[0]} ended without optimized_metric="
-                    f"{self.config.get('optimized_metric')}: name a metric the run logs, and let each "
-                    "trial validate at least once"
-                )
-                raise SystemExit(2)
-        self._write_results(study, sweep_dir)
+        with self._alone_in(sweep_dir):
+            study = optuna.create_study(
+                study_name=self.study_name,
+                storage=self.storage,
+                direction=self.direction,
+                load_if_exists=True,
+            )
+            # A study continued by a new process: a sampler seeded as the first one was would draw
+            # the parameters of its first trials again.
+            study.sampler = optuna.samplers.TPESampler(seed=self.seed + len(study.trials))
+            self._fail_interrupted(study)
+            log.info(
+                f"Optuna study {self.study_name!r} in {self.storage}: {trials_run(study)} of {self.n_trials} "
+                "trials done"
+            )
+            while (todo := self.n_trials - trials_run(study)) > 0:
+                trials = [study.ask(space) for _ in range(min(self.n_jobs, todo))]
+                overrides = [
+                    [
+                        *(o.input_line for o in fixed),
+                        *(f"{key}={value}" for key, value in trial.params.items()),
+                    ]
+                    for trial in trials
+                ]
+                results = self.launcher.launch(overrides, initial_job_idx=trials[0].number)
+                valueless = [
+                    trial.number
+                    for trial, result in zip(trials, results, strict=True)
+                    if not self._tell(study, trial, result)
+                ]
+                if valueless:  # every trial would end so: the study would run on without a result
+                    log.error(
+                        f"error: trial {valueless[0]} ended without optimized_metric="
+                        f"{self.config.get('optimized_metric')}: name a metric the run logs, and let each "
+                        "trial validate at least once"
+                    )
+                    raise SystemExit(2)
+            self._write_results(study, sweep_dir)
+
+    @contextmanager
+    def _alone_in(self, sweep_dir: Path) -> Iterator[None]:
+        """The study runs in one process at a time: a second one, started with the same command,
+        took the first one's running trials for a crash's and failed them (the first then ended
+        in a traceback)."""
+        lock = FileLock(sweep_dir / ".study.lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            log.error(
+                f"error: another process runs study {self.study_name!r} ({sweep_dir}): wait for it to end, "
+                "or give this one another hydra.sweeper.study_name"
+            )
+            raise SystemExit(2) from None
+        try:
+            yield
+        finally:
+            lock.release()
 
     @staticmethod
     def _fail_interrupted(study: Any) -> None:
