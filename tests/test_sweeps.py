@@ -235,5 +235,5 @@ def test_a_study_another_process_runs_is_refused(tmp_path, caplog):
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(SystemExit) as ended:
             sweeper.sweep([])
-    assert ended.value.code == 2 and "error: another process runs study 'shapes'" in caplog.text
+    assert ended.value.code == 2 and f"error: another process runs a study in {tmp_path}: wait" in caplog.text
     assert not (tmp_path / "optuna.db").exists()

@@ -180,8 +180,8 @@ class OptunaSweeper(Sweeper):
             lock.acquire(timeout=0)
         except Timeout:
             log.error(
-                f"error: another process runs study {self.study_name!r} ({sweep_dir}): wait for it to end, "
-                "or give this one another hydra.sweeper.study_name"
+                f"error: another process runs a study in {sweep_dir}: wait for it to end, or give this one "
+                "a folder of its own (another hydra.sweeper.study_name, or hydra.sweep.dir)"
             )
             raise SystemExit(2) from None
         try:
