@@ -477,6 +477,8 @@ def test_a_run_stopped_after_a_step_and_before_its_batchs_end_resumes_exactly(ru
         "trainer.check_val_every_n_epoch=2",
         "trainer.log_every_n_steps=1",
         "callbacks=ema",
+        "test=false",  # the fit is what is compared
+        "patch_budgets=null",
     ]
     whole = run_entry_point.root / "whole"
     run_entry_point("train.py", *command, f"hydra.run.dir={whole}")
