@@ -25,6 +25,7 @@ from navit_lightning.utils.checkpoints import (
     data_for,
     data_keys_given,
     load_training_run,
+    numbered_classes,
 )
 from navit_lightning.utils.entry_point import launch, run_task
 from navit_lightning.utils.instantiate import instantiate_group
@@ -134,8 +135,9 @@ def predict(cfg: DictConfig) -> Path:
     run, class_names = load_training_run(cfg.ckpt_path)
     data = OmegaConf.merge(data_for(cfg, run, data_keys_given()), {"generate": None})  # nothing to generate
     output = Path(cfg.paths.output_dir) / "predictions.csv"
-    names = class_names or [str(label) for label in range(run.model.num_classes)]  # an older checkpoint's
-    writer = PredictionWriter(output, paths, names, cfg.top_k)
+    writer = PredictionWriter(
+        output, paths, class_names or numbered_classes(run.model.num_classes), cfg.top_k
+    )
     callbacks = [*instantiate_group(cfg.get("callbacks")), writer]
     datamodule, model, trainer = build_from_checkpoint(cfg, run, data, callbacks)
     datamodule.predict_on(paths)

@@ -228,9 +228,8 @@ class UnreadableImageReport(L.Callback):
         total = max(totals, default=None)
         if total is not None and total > 0:
             count = f"{int(total)} image{'s' if total > 1 else ''}"
-            if (
-                trainer.is_global_zero
-            ):  # a log line, which train.log keeps (a warning went to the console alone)
+            # a log line, which train.log keeps (a Python warning reached the console alone)
+            if trainer.is_global_zero:
                 log.warning("%s epoch %d: skipped %s that could not be decoded", stage, epoch, count)
 
 

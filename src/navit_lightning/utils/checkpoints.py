@@ -221,6 +221,11 @@ def run_class_names(checkpoint: dict[str, Any]) -> list[str] | None:
     return list(names) if names else None
 
 
+def numbered_classes(num_classes: int) -> list[str]:
+    """The class names of a checkpoint saved before they were stored: its labels' numbers."""
+    return [str(label) for label in range(num_classes)]
+
+
 def check_resumable(
     model: torch.nn.Module,
     model_config: DictConfig,
@@ -331,7 +336,7 @@ def check_same_classes(
     0, 1, ... are names like any others (1..10 against 0..9 shifts every label)."""
     if data_names == run_names or (run_names is None and len(data_names) == num_classes):
         return
-    run_names = run_names or [str(label) for label in range(num_classes)]
+    run_names = run_names or numbered_classes(num_classes)
     differences = [
         f"{len(names)} {what}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}"
         for what, names in (
