@@ -2,9 +2,12 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# torch is pinned to the CPU build these machines carry; on a GPU machine install the torch
-# build for your CUDA into .venv first and pass TORCH=torch.
+# torch is pinned; pip takes the build its index offers: these machines' local CPU wheel, from
+# PyPI on Linux the CUDA build (several GB). TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# takes the CPU build from PyTorch's index. On a GPU machine install the torch build for your
+# CUDA into .venv first and pass TORCH=torch.
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 VIT_PYTORCH := 1.26.11
 
 .PHONY: setup train test lint clean
@@ -15,7 +18,7 @@ VIT_PYTORCH := 1.26.11
 # Like pip, it does not stop on a file that does not compile (an import of it would fail).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --no-compile "$(TORCH)"
+	$(BIN)/pip install --quiet --no-compile $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(BIN)/pip install --quiet --no-compile -e ".[dev]"
 	# The attention benchmark's peer: --no-deps, its requirements would pull torchvision.
 	$(BIN)/pip install --quiet --no-compile --no-deps "vit-pytorch==$(VIT_PYTORCH)"
