@@ -47,7 +47,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         raise ConfigError(
             f"trainer.{limit}=0 evaluates no batch: leave it out for all of them, or give a count or a share"
         )
-    L.seed_everything(cfg.seed, workers=True)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
     run, class_names = load_training_run(cfg.ckpt_path)
     given = data_keys_given()
     data = data_for(cfg, run, given)

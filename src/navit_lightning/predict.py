@@ -130,7 +130,7 @@ def predict(cfg: DictConfig) -> Path:
             f"patch_budget={budget} is the most patches an image is scaled to: a whole number above 0, "
             "or null for the training run's data.max_patches"
         )
-    L.seed_everything(cfg.seed, workers=True)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
     paths = image_files(Path(cfg.input).expanduser())
     run, class_names = load_training_run(cfg.ckpt_path)
     data = OmegaConf.merge(data_for(cfg, run, data_keys_given()), {"generate": None})  # nothing to generate

@@ -43,7 +43,8 @@ def build(
     """The datamodule, model and trainer that `cfg` describes (the trainer with the config's
     callbacks and loggers, then `extra_callbacks`)."""
     check_launch(cfg)
-    L.seed_everything(cfg.seed, workers=True)
+    # quiet: the printed config holds the seed, and its line came before a refusal's own
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
     torch.set_float32_matmul_precision("high")
     if cfg.data.get("root") is not None:
         with open_dict(cfg):  # as the checkpoints store it: eval.py elsewhere reads the same folder

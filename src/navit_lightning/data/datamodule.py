@@ -147,6 +147,8 @@ class PackedImageDataModule(L.LightningDataModule):
         if not 0 <= hflip <= 1:
             raise ConfigError(f"data.hflip={hflip} is a probability: 0 <= it <= 1")
         self.root = Path(root).expanduser()  # data.root='~/images': neither shell nor Hydra expands it
+        if generate is not None:  # refused before the run starts, as well as where it writes
+            shapes.refuse_a_folder_of_other_files(self.root)
         self.patch_size = patch_size
         # Training sizes vary (variable resolution, token dropping); evaluation's: see policy.
         self.train_policy = SizePolicy(

@@ -203,14 +203,25 @@ def generate(root: str | Path, spec: ShapesSpec = ShapesSpec(), workers: int = 2
     return root
 
 
-def _write_set(root: Path, spec: ShapesSpec, workers: int) -> None:
-    marker, started = root / DONE_MARKER, root / STARTED_MARKER
-    if not marker.exists() and not started.exists() and not only_shapes_files(root):
-        # a folder of the user's own: its class folders named like shapes would be replaced
+def refuse_a_folder_of_other_files(root: Path) -> None:
+    """Refuse `root` for the built-in set where it holds files this generator did not write
+    (data.root=<a folder of the user's own> without data=imagefolder): its class folders
+    named like shapes would be replaced."""
+    if (
+        root.is_dir()
+        and not (root / DONE_MARKER).exists()
+        and not (root / STARTED_MARKER).exists()
+        and not only_shapes_files(root)
+    ):
         raise DataError(
             f"{root} holds files that the built-in data set did not write: to train on them use "
             f"data=imagefolder data.root={root}; for the built-in set give an empty or new folder"
         )
+
+
+def _write_set(root: Path, spec: ShapesSpec, workers: int) -> None:
+    refuse_a_folder_of_other_files(root)
+    marker, started = root / DONE_MARKER, root / STARTED_MARKER
     started.touch()
     marker.unlink(missing_ok=True)
     counts = {"train": spec.num_train, "val": spec.num_val, "test": spec.num_test}
