@@ -223,26 +223,90 @@ def test_compiled_segments_settle_after_the_first_batches_and_match_eager():
 
 
 @pytest.mark.parametrize(
-    ("device", "dtype", "expected"),
+    ("device", "dtype", "capability", "expected"),
     [
-        ("cpu", torch.float32, "segments"),
-        ("cpu", torch.bfloat16, "segments"),
-        ("cuda", torch.bfloat16, "varlen"),
-        ("cuda", torch.float32, "flex"),
+        ("cpu", torch.float32, (9, 0), "segments"),
+        ("cpu", torch.bfloat16, (9, 0), "segments"),
+        ("cuda", torch.bfloat16, (9, 0), "varlen"),
+        ("cuda", torch.float32, (9, 0), "flex"),
+        # flash varlen from sm80 on: an A100 is the oldest GPU that gets it, a T4 (sm75) not
+        ("cuda", torch.bfloat16, (8, 0), "varlen"),
+        ("cuda", torch.bfloat16, (7, 5), "flex"),
     ],
 )
-def test_auto_picks_a_backend_that_trains_on_the_device(monkeypatch, device, dtype, expected):
+def test_auto_picks_a_backend_that_trains_on_the_device(monkeypatch, device, dtype, capability, expected):
     from navit_lightning.models import attention
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     assert attention.make_backend("auto", torch.device(device), dtype).name == expected
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "segments"])
-def test_an_all_padding_batch_gives_finite_features_and_gradients(backend):
-    net = NaViT(patch_size=4, dim=32, depth=1, heads=2, max_grid=8, attention=backend)
+@pytest.mark.parametrize("pool", ["attention", "mean"])
+@pytest.mark.parametrize("fractional_pos", [False, True])
+def test_an_all_padding_batch_gives_finite_features_and_gradients(backend, pool, fractional_pos):
+    """A filler batch (a rank one batch short), or any row left empty: its slots have no
+    tokens and a (0, 0) grid, by which fractional positions divide, and nothing to average,
+    in every pool; the rows layout (sdpa, and flex and varlen on GPUs) embeds its padding."""
+    settings = dict(attention=backend, pool=pool, fractional_pos=fractional_pos)
+    net = NaViT(patch_size=4, dim=32, depth=1, heads=2, max_grid=8, **settings)
     empty = pack([], PackedShape(rows=2, row_len=16, max_images=2), PATCH_DIM)
     features = net(empty)
     features.sum().backward()
     assert torch.isfinite(features).all()
     assert all(torch.isfinite(p.grad).all() for p in net.parameters() if p.grad is not None)
+
+
+def test_attention_is_softmax_of_normalised_queries_against_normalised_keys():
+    """Per head, the query norm normalises the queries and the key norm the keys (each with
+    its own learned scale and shift), softmax(q k^T / sqrt(d)) weighs the values. Backends
+    are checked against masked SDPA through this same module, and q_norm and k_norm start
+    equal: swapped norms would pass every other test, and load a checkpoint's norms wrongly."""
+    from navit_lightning.models.attention import Attention, SdpaBackend, document_mask
+
+    torch.manual_seed(0)
+    dim, heads, tokens = 16, 2, 5
+    module = Attention(dim, heads, qk_norm=True).double()
+    with torch.no_grad():
+        for norm in (module.q_norm, module.k_norm):
+            norm.weight.uniform_(0.2, 3.0)
+            norm.bias.normal_(0, 1.0)
+    x = torch.randn(1, tokens, dim, dtype=torch.float64)
+    out = module(x, SdpaBackend(), document_mask(torch.zeros(1, tokens, dtype=torch.long)))
+
+    def projected(third: int, norm=None) -> torch.Tensor:  # (H, N, D)
+        weight, bias = module.qkv.weight.chunk(3)[third], module.qkv.bias.chunk(3)[third]
+        t = (x[0] @ weight.T + bias).view(tokens, heads, -1).transpose(0, 1)
+        if norm is None:
+            return t
+        return torch.nn.functional.layer_norm(t, t.shape[-1:], norm.weight, norm.bias, norm.eps)
+
+    q, k, v = projected(0, module.q_norm), projected(1, module.k_norm), projected(2)
+    weights = torch.softmax(q @ k.transpose(1, 2) / q.shape[-1] ** 0.5, dim=-1)
+    expected = module.proj((weights @ v).transpose(0, 1).reshape(tokens, dim))
+    torch.testing.assert_close(out[0], expected, rtol=1e-10, atol=1e-10)
+
+
+def test_segments_attends_in_float32_on_a_cpu_under_bf16_autocast(monkeypatch):
+    """The CPU's bf16 flash kernel pads each group to a long block (several times slower
+    than float32, docs/benchmarks.md): on a CPU segments hands SDPA float32, and gives back
+    the dtype it was given."""
+    from navit_lightning.models import attention
+
+    batch = reference_batch()
+    backend = SegmentsBackend()
+    plan = backend.plan(batch.image_ids, batch.grid.shape[1])
+    seen = []
+    sdpa = attention.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    q, k, v = torch.randn(3, len(plan.order), 2, 8, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = backend(q, k, v, plan)
+    assert len(seen) == len(plan.buckets) > 1
+    assert set(seen) == {(torch.float32,) * 3}
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape

@@ -10,6 +10,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 
@@ -26,6 +27,7 @@ from navit_lightning.lit_module import (
     parameter_groups,
 )
 from navit_lightning.models import NaViT
+from navit_lightning.models.heads import BatchNormMlp
 from navit_lightning.utils.schedules import warmup_cosine
 from tests.conftest import TINY_SET
 from tests.test_datamodule import shapes_datamodule
@@ -407,3 +409,15 @@ def test_a_resumed_runs_schedule_is_its_steps_made_and_to_come_capped_at_max_ste
     assert schedule_model(None, estimated_stepping_batches=12, max_steps=12)._schedule_length() == 12
     unbounded = schedule_model(at_epoch_end, max_epochs=-1, estimated_stepping_batches=math.inf)
     assert unbounded._schedule_length() == math.inf
+
+
+def test_a_synced_batchnorm_head_in_a_world_of_one_rank_trains_on_one_image(tmp_path):
+    """ddp on one device with trainer.sync_batchnorm=true: SyncBatchNorm gathers nothing in a
+    world of one, so a batch of one image takes the running statistics as without it."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        head = torch.nn.SyncBatchNorm.convert_sync_batchnorm(BatchNormMlp(8, 3)).train()
+        logits = head(torch.randn(1, 8))
+    finally:
+        dist.destroy_process_group()
+    assert logits.shape == (1, 3) and torch.isfinite(logits).all()

@@ -109,6 +109,8 @@ def test_a_token_at_row_y_column_x_gets_row_table_y_plus_column_table_x(
         (dict(fractional_pos="no"), "model.net.fractional_pos=no must be true or false"),
         (dict(qk_norm="off"), "model.net.qk_norm=off must be true or false"),
         (dict(mlp_ratio=0.01), "model.net.mlp_ratio=0.01 gives each block's MLP 0 hidden units"),
+        # it built, and failed at the first batch with a shape error
+        (dict(dim=30, heads=4), "model.net.dim=30 must be divisible by model.net.heads=4"),
     ],
 )
 def test_settings_that_would_build_another_network_silently_are_refused(setting, message):
@@ -146,6 +148,25 @@ def test_absolute_positions_beyond_the_table_are_refused():
     batch = pack([make_sample(2, 6, label=0, seed=0)], SHAPE, PATCH_DIM)
     with pytest.raises(ValueError, match=r"or train with a larger model\.net\.max_grid"):
         net(batch)
+
+
+@pytest.mark.parametrize(
+    ("max_grid", "fractional", "fits"),
+    [
+        (6, False, True),  # the side the absolute tables hold: its last entry is index 5
+        (5, False, False),  # one patch past them: refused with the fix, not an IndexError
+        (4, True, True),  # fractional positions scale every side into the table: no bound
+    ],
+)
+def test_the_position_tables_bound_an_images_side_only_for_absolute_positions(max_grid, fractional, fits):
+    """An image 6 patches wide against tables of max_grid entries."""
+    net = make_net(max_grid=max_grid, fractional_pos=fractional)
+    batch = pack([make_sample(2, 6, label=0, seed=0)], SHAPE, PATCH_DIM)
+    if fits:
+        assert torch.isfinite(net(batch)).all()
+    else:
+        with pytest.raises(ConfigError, match=r"an image is 6 patches long but model\.net\.max_grid=5"):
+            net(batch)
 
 
 @LAYOUTS

@@ -145,6 +145,21 @@ def test_images_per_second_are_images_over_each_budgets_seconds():
     assert trainer.loggers == ["a logger"] and trainer.callbacks == []
 
 
+def test_a_single_budgets_metrics_are_read_without_a_loader_suffix():
+    """With one loader Lightning keys its metrics without /dataloader_idx_0: patch_budgets
+    of one budget (eval.py patch_budgets=[36]) read them by their plain names."""
+    metrics = {
+        f"val/{name}": torch.tensor(value)
+        for name, value in (("images", 40), ("real_tokens", 1200), ("acc", 0.75), ("seconds", 8.0))
+    }
+    trainer = SimpleNamespace(
+        validate=lambda model, **kwargs: None, loggers=[], callbacks=[], callback_metrics=metrics
+    )
+    datamodule = SimpleNamespace(evaluate_at=lambda budgets: None)
+    results = resolution.accuracy_across_budgets(trainer, None, datamodule, [36], "val")
+    assert results == [resolution.BudgetResult(36, 30.0, 0.75, 5.0)]
+
+
 def test_budgets_past_the_position_tables_are_left_out_before_the_sweep(project_root):
     """At the end of a fit the sweep stopped at the first image longer than the tables (an
     error after the whole fit, hp metrics unlogged): such budgets are named and left out."""
