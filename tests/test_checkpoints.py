@@ -85,6 +85,12 @@ def test_resuming_another_network_other_classes_or_an_ema_run_without_ema_is_ref
         check_resumable(
             *built_model("model.num_classes=3", "model.net.dim=64", "optimizer.lr=1e-2"), path, True, classes
         )
+    # another head: no model.net setting differs, the head's tensors do (Lightning failed in
+    # every rank on a page of size mismatches)
+    with pytest.raises(
+        ConfigError, match=re.escape("another network (model.head=linear there, bn_mlp here)")
+    ):
+        check_resumable(*built_model("model.num_classes=3", "model.head=bn_mlp"), path, False, classes)
     # the same tensors, each position-table row another position; how it runs may change
     with pytest.raises(ConfigError, match=re.escape("(model.net.fractional_pos=False there, True here)")):
         check_resumable(
@@ -198,7 +204,9 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatc
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]  # no partial file left
 
 
-@pytest.mark.parametrize("damage", ["missing", "truncated", "a flipped byte", "foreign", "not a zip"])
+@pytest.mark.parametrize(
+    "damage", ["missing", "truncated", "a flipped byte", "foreign", "weights alone", "not a zip"]
+)
 def test_unusable_checkpoints_are_refused_with_the_fix(tmp_path, damage):
     path = tmp_path / "last.ckpt"
     weights = torch.arange(1000, dtype=torch.float32)
@@ -213,6 +221,8 @@ def test_unusable_checkpoints_are_refused_with_the_fix(tmp_path, damage):
         path.write_bytes(data)
     elif damage == "foreign":
         torch.save({"model": torch.zeros(3)}, path)
+    elif damage == "weights alone":  # a Lightning checkpoint of another project: no run to rebuild
+        torch.save({"state_dict": {"w": weights}}, path)
     elif damage == "not a zip":
         path.write_text("hello")
     with pytest.raises(ConfigError, match=f"ckpt_path={path}"):

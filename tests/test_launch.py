@@ -100,11 +100,16 @@ def test_a_sweep_job_leaves_no_distributed_state_for_the_next(monkeypatch):
 
 @pytest.mark.parametrize(("procid", "keeps_file"), [("0", True), ("1", False)])
 def test_only_rank_zero_of_a_slurm_launch_keeps_the_log_file(monkeypatch, tmp_path, procid, keeps_file):
+    """Rank 0 writes the run's .hydra folder and its log file, whether Hydra started from
+    the command line (quiet_rank_overrides) or not (RankZeroLogFile): a run whose first
+    task kept neither had no record of its config or its log."""
     import logging
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setenv("SLURM_NTASKS", "2")
     monkeypatch.setenv("SLURM_PROCID", procid)
+    monkeypatch.setattr(launch.sys, "argv", ["train.py"])
+    assert launch.quiet_rank_overrides() == ([] if keeps_file else list(launch.QUIET_RANK_OVERRIDES))
     root = logging.getLogger()
     handler = logging.FileHandler(tmp_path / "train.log", delay=True)
     root.addHandler(handler)
@@ -177,3 +182,6 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(monkeypatch, t
         monkeypatch.setenv(name, value)
     (runs / "slurm-7.0").mkdir()
     assert run_folder() == str(runs / "slurm-7.0")
+    # and its sweep's folder, which the first task made: a folder of its own split the sweep
+    (sweeps / "slurm-7.0").mkdir()
+    assert sweep_folder() == (str(sweeps / "slurm-7.0"), [])

@@ -14,7 +14,7 @@ from navit_lightning.errors import ConfigError
 from navit_lightning.eval import evaluate
 from navit_lightning.predict import predict
 from navit_lightning.utils import validate
-from navit_lightning.utils.entry_point import refusal
+from navit_lightning.utils.entry_point import refusal, refuse_null_groups
 from navit_lightning.utils.validate import check_launch
 
 
@@ -28,6 +28,13 @@ def config(*overrides: str):
     [
         (0, ["trainer.accelerator=gpu"], "no CUDA GPU is visible: use trainer.accelerator=cpu"),
         (0, ["trainer.precision=16-mixed"], "on CPU use trainer.precision=bf16-mixed"),
+        # GPUs are visible, but the run asks for the CPU: it runs there, and Lightning would turn
+        # 16-mixed into bf16-mixed with a warning alone
+        (
+            2,
+            ["trainer.accelerator=cpu", "trainer.precision=16-mixed"],
+            "trainer.precision=16-mixed needs a CUDA GPU: on CPU use trainer.precision=bf16-mixed",
+        ),
         (
             0,
             ["trainer.sync_batchnorm=true", "strategy=ddp", "trainer.devices=2"],
@@ -142,6 +149,11 @@ def test_eval_and_predict_refuse_what_they_miss(task, overrides, message):
         (0, ["trainer.gradient_clip_val=0", "seed=0"]),  # no clipping, as Lightning takes it
         (0, ["seed=4294967295"]),  # the largest numpy takes
         (2, ["optimizer.fused=true", "trainer.precision=bf16-mixed", "trainer.gradient_clip_val=null"]),
+        # Lightning's own names for a checkpoint, not files: ckpt_path=last resumes a run
+        (0, ["ckpt_path=last"]),
+        (0, ["ckpt_path=best", "train=false"]),
+        # no warm-up (the Optuna search's first value) and a decay to 0 are schedules too
+        (0, ["scheduler.warmup_steps=0", "scheduler.min_lr_ratio=0"]),
     ],
 )
 def test_allowed(monkeypatch, gpus, overrides):
@@ -322,6 +334,34 @@ def test_a_constructor_failing_otherwise_keeps_its_traceback():
         hydra.utils.instantiate({"_target_": "navit_lightning.models.NaViT", "pixel_std": "oops"})
     with pytest.raises(InstantiationException):
         refusal(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "refused"),
+    [
+        (["logger=null"], True),
+        (["model=null"], True),
+        (["seed=1", "callbacks=null"], True),
+        (["ckpt_path=null"], False),
+        (["patch_budgets=null", "data.num_workers=null"], False),
+        (["model.scheduler=null", "callbacks.pictures=null"], False),
+        (["hydra/launcher=null"], False),
+        (["logger=tensorboard"], False),
+    ],
+)
+def test_null_is_refused_for_a_config_group_and_taken_for_a_setting(capsys, arguments, refused):
+    """A group set to null ends in Hydra's traceback, and is refused in one line naming
+    ~group; a setting set to null (patch_budgets=null, callbacks.pictures=null: the README's
+    own switches, model.scheduler=null for a constant rate) must reach Hydra untouched."""
+    if refused:
+        with pytest.raises(SystemExit) as exit_:
+            refuse_null_groups(arguments)
+        assert exit_.value.code == 2
+        group = arguments[-1].split("=")[0]
+        assert f"Hydra cannot set a config group to null; ~{group} removes it" in capsys.readouterr().err
+    else:
+        refuse_null_groups(arguments)
+        assert capsys.readouterr().err == ""
 
 
 @pytest.mark.slow
