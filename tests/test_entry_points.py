@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping
 from torch.utils.data import DataLoader
 
+from navit_lightning.errors import ConfigError
 from navit_lightning.utils.callbacks import StopEarly
 from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, TINY_SET, logged_scalars, run_folder
 from tests.test_configs import compose_train
@@ -196,6 +197,12 @@ def test_a_resumed_early_stop_takes_the_commands_patience_and_older_checkpoints_
     trainer = Trainer()
     StopEarly(monitor="val/acc", mode="max", patience=0).on_train_start(trainer, None)
     assert trainer.should_stop is False
+
+
+@pytest.mark.parametrize("patience", [-1, 1.5, True])
+def test_a_patience_that_is_no_count_of_validations_is_refused(patience):
+    with pytest.raises(ConfigError, match=f"patience={patience} must be a whole number, 0 or more"):
+        StopEarly(monitor="val/acc", mode="max", patience=patience)
 
 
 def test_early_stopping_lets_a_fit_end_before_its_first_validation():

@@ -240,6 +240,14 @@ class StopEarly(EarlyStopping):
     patience is the command's (Lightning's restores the checkpoint's), so that a larger one
     goes on."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 0:
+            # a negative one stopped at the first validation without a rise, as 0 does
+            raise ConfigError(
+                f"callbacks.early_stopping.patience={self.patience} must be a whole number, 0 or more"
+            )
+
     @property
     def state_key(self) -> str:  # EarlyStopping's: checkpoints written with it keep their counts
         return super().state_key.replace(type(self).__qualname__, EarlyStopping.__qualname__, 1)
