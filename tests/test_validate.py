@@ -342,6 +342,7 @@ def test_a_constructor_failing_otherwise_keeps_its_traceback():
         (["logger=null"], True),
         (["model=null"], True),
         (["seed=1", "callbacks=null"], True),
+        (["+logger=null"], True),
         (["ckpt_path=null"], False),
         (["patch_budgets=null", "data.num_workers=null"], False),
         (["model.scheduler=null", "callbacks.pictures=null"], False),
@@ -357,7 +358,7 @@ def test_null_is_refused_for_a_config_group_and_taken_for_a_setting(capsys, argu
         with pytest.raises(SystemExit) as exit_:
             refuse_null_groups(arguments)
         assert exit_.value.code == 2
-        group = arguments[-1].split("=")[0]
+        group = arguments[-1].split("=")[0].lstrip("+")
         assert f"Hydra cannot set a config group to null; ~{group} removes it" in capsys.readouterr().err
     else:
         refuse_null_groups(arguments)

@@ -39,6 +39,7 @@ def refuse_null_groups(arguments: list[str]) -> None:
     on the command line: refuse it in one line that names the form Hydra takes, `~logger`."""
     for argument in arguments:
         group, _, value = argument.partition("=")
+        group = group.lstrip("+")  # +logger=null: the same traceback
         if value != "null" or "/" in group:  # Hydra's own groups (hydra/launcher): options elsewhere
             continue
         options = sorted(path.stem for path in Path(CONFIG_DIR, group).glob("*.yaml"))
