@@ -429,3 +429,13 @@ def test_a_refused_root_exits_with_one_line(run_entry_point, tmp_path):
     errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
     assert len(errors) == 1 and "has no class sub-folders" in errors[0]
     assert "Traceback" not in result.stderr
+
+
+def test_hidden_folders_beside_the_classes_are_no_classes(tmp_path):
+    """Jupyter leaves .ipynb_checkpoints/ in every folder it opens, and a file manager its
+    .thumbnails/ of images: taken for classes, they had the root refused (a class folder
+    without images) or trained a class of thumbnails, shifting every label."""
+    for name in ("cat/0.png", "dog/0.png", ".thumbnails/0.png"):
+        save(Image.new("RGB", (8, 8)), tmp_path / name)
+    (tmp_path / ".ipynb_checkpoints").mkdir()
+    assert PackedImageDataModule(str(tmp_path)).class_names() == ["cat", "dog"]

@@ -14,13 +14,15 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
+from einops import rearrange
+from PIL import Image
 from torch.utils.data import DataLoader
 
 from navit_lightning.batch import PackedBatch
 from navit_lightning.bench import train_config
 from navit_lightning.data import workers
 from navit_lightning.data.datamodule import PackedImageDataModule
-from navit_lightning.data.folder import Images, hold_out
+from navit_lightning.data.folder import Images, hold_out, mirrored
 from navit_lightning.data.index import StringTable
 from navit_lightning.data.sampler import SampleKey
 from navit_lightning.data.workers import WORKER_MODULES
@@ -425,3 +427,26 @@ def test_loader_workers_live_on_from_epoch_to_epoch(project_root):
     assert len(later) == 1, later
     (running,) = later
     assert len(running) >= 3  # the forkserver, a train and a val worker
+
+
+def test_training_images_are_mirrored_as_their_key_seed_draws_and_evaluation_images_never(tmp_path):
+    """data.hflip is the training augmentation: a dataset that kept the setting but never
+    applied it trained on unmirrored images alone, without a word; val is never mirrored."""
+    pixels = np.zeros((32, 48, 3), dtype=np.uint8)
+    pixels[:, :16] = (255, 0, 0)  # red on the left: a mirror shows
+    for split in ("train", "val"):
+        for name in ("cat", "dog"):
+            (tmp_path / split / name).mkdir(parents=True)
+            Image.fromarray(pixels).save(tmp_path / split / name / "0.png")
+    datamodule = PackedImageDataModule(str(tmp_path), patch_size=16, max_patches=64, hflip=0.5, num_workers=0)
+    datamodule.setup("fit")
+    flip, plain = 0, (1 << 24) - 1  # key seeds: low 24 bits all clear, all set
+    assert mirrored(flip, 0.5) and not mirrored(plain, 0.5)
+
+    def picture(split: str, seed: int) -> torch.Tensor:
+        sample = datamodule.datasets[split][SampleKey(index=0, max_patches=64, keep=64, seed=seed)]
+        return rearrange(sample.patches, "(h w) (p1 p2 c) -> (h p1) (w p2) c", w=sample.grid[1], p1=16, p2=16)
+
+    assert torch.equal(picture("train", plain), torch.from_numpy(pixels))
+    assert torch.equal(picture("train", flip), torch.from_numpy(pixels).flip(1))
+    assert torch.equal(picture("val", flip), torch.from_numpy(pixels))

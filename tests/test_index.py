@@ -223,3 +223,31 @@ def test_image_suffixes_are_taken_in_any_case(tmp_path):
     manifest = index_folder(root)
     assert manifest.paths.tolist() == ["Y.PNG", "cat/B.JPG", "cat/a.png"]
     assert manifest.readable.all() and manifest.sizes.tolist() == [[4, 5], [6, 8], [6, 8]]
+
+
+def test_a_link_back_into_its_own_folder_and_a_link_to_a_moved_file_are_skipped(tmp_path):
+    """A class folder linked into itself (cats/again -> cats, a slip of `ln -s`) was walked
+    link after link till the kernel refused the path, and a link to an image since moved or
+    deleted stopped the index with FileNotFoundError: neither holds an image to learn from."""
+    root = make_folder(tmp_path / "images")
+    plain = index_folder(root).paths.tolist()
+    (root / "cats" / "again").symlink_to(root / "cats", target_is_directory=True)
+    Image.new("RGB", (8, 8)).save(tmp_path / "moved.png")
+    (root / "dogs" / "moved.png").symlink_to(tmp_path / "moved.png")
+    (tmp_path / "moved.png").unlink()
+    assert index_folder(root).paths.tolist() == plain
+
+
+def test_a_small_folder_is_read_without_starting_a_pool_whatever_the_workers(tmp_path, monkeypatch):
+    """Every run indexes its folder with a worker per CPU core, and a pool takes seconds to
+    start (its processes import torch): far more than a small folder's headers, or a refresh
+    that reads one file, take in this process."""
+
+    def no_pool(*args, **kwargs):
+        raise AssertionError("a pool was started to read a few files")
+
+    monkeypatch.setattr(index, "map_with_progress", no_pool)
+    root = make_folder(tmp_path / "images")
+    first = index_folder(root, workers=8)
+    again = index_folder(root, workers=8)  # the unreadable file is read again
+    assert again.paths == first.paths and int(again.readable.sum()) == len(again.paths) - 1

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import tarfile
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -123,3 +124,59 @@ def test_train_from_shards_to_the_end(project_root, run_entry_point, tmp_path):
     assert written.returncode == 0, written.stderr
     result = run_entry_point("train.py", *TINY_TRAINING, "data=shards", f"data.root={shards}")
     assert "test/acc" in result.stdout + result.stderr
+
+
+def test_every_split_read_from_shards_is_the_folders_image_for_image(folder_with_a_broken_sample, tmp_path):
+    """val's and test's images lie in later shards than train's: a split that kept the spans
+    of the whole shard folder read other images under their labels, and the model was scored
+    on the wrong pictures without a word."""
+    write_shards(folder_with_a_broken_sample, tmp_path / "shards", samples_per_shard=50)
+    from_folder = datamodule(folder_with_a_broken_sample)
+    from_shards = datamodule(tmp_path / "shards", shards=True)
+    for split in ("train", "val", "test"):
+        folder_images = from_folder.datasets[split].images
+        shard_images = from_shards.datasets[split].images
+        assert shard_images.paths.tolist() == folder_images.paths.tolist()
+        assert np.array_equal(shard_images.labels, folder_images.labels)
+        for number in range(len(folder_images.labels)):
+            with folder_images.open(number) as file, shard_images.open(number) as shard:
+                assert shard.read() == file.read(), folder_images.paths[number]
+
+
+def test_shards_are_numbered_in_turn_and_their_images_typed_in_lower_case(tmp_path):
+    """webdataset reads shards by a brace range (train-{000000..000003}.tar) and a sample's
+    image by its type as a key (.to_tuple("jpg", "cls")): a camera's 0.JPG sharded as
+    000000000.JPG had no "jpg", and shards numbered by their first image broke the range."""
+    for number in range(5):
+        for name, suffix, kind in (("cat", "JPG", "JPEG"), ("dog", "PNG", "PNG")):
+            (tmp_path / "images" / name).mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (8, 8 + number)).save(tmp_path / "images" / name / f"{number}.{suffix}", kind)
+    write_shards(tmp_path / "images", tmp_path / "shards", samples_per_shard=3)
+    shards = sorted(path.name for path in (tmp_path / "shards").glob("*.tar"))
+    assert shards == [f"train-{number:06d}.tar" for number in range(4)]  # 10 images, 3 a shard
+    index = json.loads((tmp_path / "shards" / "train.wids.json").read_text())
+    assert [shard["url"] for shard in index["shardlist"]] == shards
+    types = []
+    for shard in shards:
+        with tarfile.open(tmp_path / "shards" / shard) as tar:
+            types += [name.split(".", 1)[1] for name in tar.getnames()]
+    assert sorted(set(types)) == ["cls", "jpg", "json", "png"]
+
+
+def test_shards_of_a_folder_with_a_class_named_train_hold_its_classes(tmp_path):
+    """CIFAR-100 has a class "train": a shard folder finds its splits from the paths its
+    images had, where train/0.png (an image in train/) was taken for a train/ split of class
+    folders, though the folder itself trains on train/ as a class."""
+    for number in range(2):
+        for name in ("bus", "train"):
+            (tmp_path / "images" / name).mkdir(parents=True, exist_ok=True)
+            Image.new("RGB", (8, 8 + number)).save(tmp_path / "images" / name / f"{number}.png")
+    write_shards(tmp_path / "images", tmp_path / "shards")
+    from_folder = datamodule(tmp_path / "images", val_fraction=0.5)
+    from_shards = datamodule(tmp_path / "shards", shards=True, val_fraction=0.5)
+    assert from_shards.class_names() == from_folder.class_names() == ["bus", "train"]
+    for split in ("train", "val"):
+        folder_images = from_folder.datasets[split].images
+        shard_images = from_shards.datasets[split].images
+        assert shard_images.paths.tolist() == folder_images.paths.tolist()
+        assert np.array_equal(shard_images.labels, folder_images.labels)
