@@ -251,3 +251,13 @@ def test_a_small_folder_is_read_without_starting_a_pool_whatever_the_workers(tmp
     first = index_folder(root, workers=8)
     again = index_folder(root, workers=8)  # the unreadable file is read again
     assert again.paths == first.paths and int(again.readable.sum()) == len(again.paths) - 1
+
+
+def test_two_folders_of_one_name_keep_manifests_of_their_own_in_index_dir(tmp_path):
+    """/data/a/images and /data/b/images indexed into one data.index_dir: one manifest for
+    both had each index read the other's files again and write over it."""
+    first, second = make_folder(tmp_path / "a" / "images"), make_folder(tmp_path / "b" / "images")
+    assert manifest_path(first, tmp_path / "index") != manifest_path(second, tmp_path / "index")
+    index_folder(first, index_dir=tmp_path / "index")
+    index_folder(second, index_dir=tmp_path / "index")
+    assert len(list((tmp_path / "index").glob("images-*.npz"))) == 2
