@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from navit_lightning.bench.data_loading import measure
+from navit_lightning.errors import ConfigError
 from tests.conftest import TINY_RUN
 
 
@@ -200,3 +201,65 @@ def test_the_index_benchmark_counts_the_opens_of_every_image_format(monkeypatch)
     for name in ("a.png", "b.JPG", "c.webp", "d.txt"):
         index._count_opened("open", (f"/images/{name}", "rb", 0))
     assert index.OPENED["count"] == 3
+
+
+@pytest.mark.parametrize("sides", [(8, 16), (4, 32)])
+def test_every_layout_of_the_attention_benchmark_holds_its_workload_at_valid_sides(sides):
+    """--sides 8 16 at the default --tokens 4096 failed in the 256-token scaling rows ("2
+    workload images do not fit ...: raise --tokens", and raising it fails at 512 too); --sides
+    4 32 could never run (ROW_LENGTHS starts at 256 whatever the images' sizes). model_cases
+    packs the default --row-len and every ROW_LENGTHS row this way."""
+    from navit_lightning.bench.attention import ROW_LENGTHS, packed_batch, samples_for, workload
+
+    tokens, row_len = 4096, 1024 if sides[1] > 16 else 512
+    samples = samples_for(workload(tokens, sides), patch_dim=12)
+    for length in (row_len, *ROW_LENGTHS):
+        if length < max(len(s.patches) for s in samples):
+            continue  # a row shorter than an image: that layout may be skipped, not crash the run
+        batch = packed_batch(samples, max(tokens, length), length, patch_dim=12)
+        assert batch.num_images == len(samples), length
+
+
+def test_the_step_benchmark_refuses_more_steps_than_an_epoch_holds(project_root, monkeypatch):
+    """The tiny set holds 8 training batches an epoch: --steps 10 --warmup 1 ended in a bare
+    StopIteration, and steps that reach an epoch's end would time its validation too."""
+    from navit_lightning.bench import step
+
+    monkeypatch.setenv("PROJECT_ROOT", str(project_root))
+    with pytest.raises(
+        ConfigError, match=r"need an epoch of more than 11 training batches, and this data gives 8"
+    ):
+        step.measure([*TINY_RUN], steps=10, warmup=1, ablate=False, sync_steps=0)
+
+
+@pytest.mark.parametrize("pool", ["attention", "mean"])
+def test_the_benchmarks_model_flops_match_torchs_flop_counter(pool):
+    """NaViT.train_flops (the TFLOP/s and "of matmul" columns) against FlopCounterMode on the
+    same forward + backward (segments: attention within images, math SDPA so that the
+    counter sees its matmuls). pool=mean has no key/value or output projection, but
+    train_flops counted them: 4.2 % too many at navit_tiny's depth, 16 % at depth 1."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from navit_lightning.bench.attention import packed_batch, samples_for, workload
+    from navit_lightning.models import NaViT
+
+    net = NaViT(patch_size=8, dim=64, depth=1, heads=2, mlp_ratio=3.0, pool=pool, attention="segments")
+    batch = packed_batch(samples_for(workload(1024), net.patch_dim), 1024, 256, net.patch_dim)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        net(batch)[batch.image_slots].float().pow(2).mean().backward()
+    assert float(net.train_flops(batch)) == pytest.approx(counter.get_total_flops(), rel=0.01)
+
+
+def test_the_planning_benchmark_counts_the_epochs_batches_not_rank_0s_times_the_ranks():
+    """223 batches dealt to 3 ranks: it printed 75 x 3 = 225."""
+    from navit_lightning.bench import planning
+    from navit_lightning.data.sampler import PackedBatchSampler
+
+    count, ranks = 20_000, 3
+    sizes = planning.synthetic_sizes(count, planning.SEED)
+    sampler = PackedBatchSampler(
+        sizes, planning.SHAPE, planning.POLICY, shuffle=True, seed=planning.SEED,
+        lookahead=planning.LOOKAHEAD, num_replicas=ranks,
+    )  # fmt: skip
+    assert planning.measure(count, ranks)["batches"] == len(sampler._epoch_plan().batches)

@@ -117,13 +117,14 @@ def samples_for(grids: list[tuple[int, int]], patch_dim: int, seed: int = 0) -> 
 
 
 def packed_batch(samples: list[ImageSample], tokens: int, row_len: int, patch_dim: int) -> PackedBatch:
-    # as many image slots as the smallest image allows a row to hold
-    slots = row_len // min(len(s.patches) for s in samples)
-    shape = PackedShape(rows=-(-tokens // row_len), row_len=row_len, max_images=slots)  # whole rows
-    _, left_over = first_fit_decreasing([len(s.patches) for s in samples], shape)
-    if left_over:
-        raise ValueError(f"{len(left_over)} workload images do not fit {shape}: raise --tokens")
-    return pack(samples, shape, patch_dim)
+    """The samples in whole rows of `row_len` tokens, as many as `tokens` take, and more
+    where first-fit-decreasing leaves images over (large images fill rows less)."""
+    lengths = [len(s.patches) for s in samples]
+    slots = row_len // min(lengths)  # as many image slots as the smallest image allows a row
+    rows = -(-tokens // row_len)
+    while left_over := first_fit_decreasing(lengths, PackedShape(rows, row_len, slots))[1]:
+        rows += -(-sum(lengths[i] for i in left_over) // row_len)
+    return pack(samples, PackedShape(rows, row_len, slots), patch_dim)
 
 
 def padded_batch(samples: list[ImageSample], patch_dim: int) -> PackedBatch:
@@ -342,16 +343,17 @@ def model_cases(
     if args.grad_checkpointing:
         cases += [case("checkpointed", b, False, packed) for b in backends]
     cases += [case("padded", "sdpa", c, padded) for c in compile_modes]
-    for row_len in ROW_LENGTHS:
+    longest = max(len(s.patches) for s in samples)
+    row_lengths = [row_len for row_len in ROW_LENGTHS if row_len >= longest]  # each holds every image
+    for row_len in row_lengths:
         batch = packed_batch(samples, max(args.tokens, row_len), row_len, patch_dim)
         cases += [case("scaling", b, False, batch) for b in backends]
     if "vit-pytorch" in args.peers:  # at every row length: its best is its users' best
         cases += [
             peer_case("vit-pytorch", g, lambda g=g: peers.vit_pytorch_navit(arch, samples, device, g))
-            for g in ROW_LENGTHS
+            for g in row_lengths
         ]
     if "timm" in args.peers:
-        longest = max(len(s.patches) for s in samples)
         cases.append(
             peer_case("timm-naflexvit", longest, lambda: peers.timm_naflexvit(arch, samples, device))
         )
@@ -409,8 +411,9 @@ def summary(results: list[Result], nominal_peak: float | None = None) -> list[st
         scaling = [r for r in timed if r.layout == "scaling"]
         for backend in dict.fromkeys(r.backend for r in scaling):
             steps = [r.step_ms for r in scaling if r.backend == backend]
+            lengths = [r.row_len for r in scaling if r.backend == backend]
             lines.append(
-                f"{model}: {backend} step time from {ROW_LENGTHS[0]}- to {ROW_LENGTHS[-1]}-token rows: "
+                f"{model}: {backend} step time from {min(lengths)}- to {max(lengths)}-token rows: "
                 f"{min(steps):.1f}..{max(steps):.1f} ms, spread {max(steps) / min(steps) - 1:.0%}"
             )
         longest = [r for r in scaling if r.row_len == ROW_LENGTHS[-1]]
@@ -495,16 +498,16 @@ def largest_batch(
             trainer = None
             torch.cuda.empty_cache()
 
+    where = f"largest batch that fits ({backend}, {args.row_len}-token rows)"
     fitted, tokens = (args.tokens, fits(args.tokens)), args.tokens
+    if fitted[1] is None:
+        return f"{where}: none, not even --tokens {args.tokens}"
     while (peak := fits(tokens * 2)) is not None:
         tokens *= 2
         fitted = (tokens, peak)
     if (peak := fits(tokens * 3 // 2)) is not None:
         fitted = (tokens * 3 // 2, peak)
-    return (
-        f"largest batch that fits ({backend}, {args.row_len}-token rows): {fitted[0]} tokens, "
-        f"peak {fitted[1]:,.0f} MiB"
-    )
+    return f"{where}: {fitted[0]} tokens, peak {fitted[1]:,.0f} MiB"
 
 
 def profile_fastest(cases: list[Case], device: torch.device) -> dict[str, StepProfile]:
@@ -603,6 +606,13 @@ def main() -> None:
     ]
     skipped = sorted(set(args.backends) - set(usable))
     grids = workload(args.tokens, args.sides)
+    if not grids:
+        parser.error(f"--tokens {args.tokens} holds no image of --sides {args.sides[0]} {args.sides[1]}")
+    if (longest := max(h * w for h, w in grids)) > args.row_len:
+        parser.error(
+            f"--row-len {args.row_len} is shorter than the workload's longest image ({longest} patches): "
+            "raise --row-len or lower --sides"
+        )
     machine = (
         torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU x{torch.get_num_threads()}"
     )

@@ -113,17 +113,20 @@ def turbojpeg_decoder() -> JpegDecoder:
     return decode
 
 
+# name -> a maker of its decoder (None: Pillow's own, drafting)
+DECODERS: dict[str, Callable[[], JpegDecoder | None]] = {
+    PILLOW: lambda: None,
+    "simplejpeg": simplejpeg_decoder,
+    "pyturbojpeg": turbojpeg_decoder,
+}
+
+
 def available_decoders(names: list[str]) -> tuple[dict[str, JpegDecoder | None], dict[str, str]]:
     """The decoders of `names` that load here, and why the others do not."""
-    makers: dict[str, Callable[[], JpegDecoder | None]] = {
-        PILLOW: lambda: None,
-        "simplejpeg": simplejpeg_decoder,
-        "pyturbojpeg": turbojpeg_decoder,
-    }
     loaded, missing = {}, {}
     for name in names:
         try:
-            loaded[name] = makers[name]()
+            loaded[name] = DECODERS[name]()
         except (ImportError, RuntimeError, OSError) as error:
             missing[name] = f"{type(error).__name__}: {error}".splitlines()[0]
     return loaded, missing
@@ -202,7 +205,7 @@ def main() -> None:
         help="photo-like files no longer than this (500: ImageNet-like; or a resized copy)",
     )
     parser.add_argument("--budgets", type=int, nargs="+", default=[36, 256], help="max patches per image")
-    parser.add_argument("--decoders", nargs="+", default=[PILLOW, "simplejpeg", "pyturbojpeg"])
+    parser.add_argument("--decoders", nargs="+", choices=DECODERS, default=list(DECODERS))
     parser.add_argument("--rounds", type=int, default=5, help="timed passes over the folder per decoder")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args()

@@ -97,7 +97,7 @@ def measure(count: int, ranks: int) -> dict[str, float]:
     figures["total"] = sum(figures[phase] for phase in PHASES)
     figures["peak_mib"] = (_memory_kib("VmHWM") - before) / 1024
     figures["held_mib"] = (_memory_kib("VmRSS") - before) / 1024
-    figures["batches"] = stats.batches * ranks
+    figures["batches"] = len(sampler._plan.batches)  # the epoch's, before filler batches even out the ranks
     figures["fill"] = stats.fill
     return figures
 

@@ -44,6 +44,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 
 from navit_lightning.batch import PackedBatch, image_index
 from navit_lightning.bench import train_config
+from navit_lightning.errors import ConfigError
 from navit_lightning.lit_module import NaViTClassifier, image_loss, parameter_groups
 from navit_lightning.train import build
 from navit_lightning.utils.callbacks import KeepFreedHostMemory
@@ -171,7 +172,7 @@ def measure(
         torch.is_deterministic_algorithms_warn_only_enabled(),
     )
     if trainer.world_size > 1:
-        raise ValueError("the step benchmark runs one process: pass trainer.devices=1 and strategy=auto")
+        raise ConfigError("the step benchmark runs one process: pass trainer.devices=1 and strategy=auto")
     # The process as the first Lightning run leaves it, for the bare steps before it too: the
     # allocator setting lasts for the process.
     for callback in trainer.callbacks:
@@ -179,8 +180,13 @@ def measure(
             callback.setup(trainer, model, "fit")
     datamodule.prepare_data()
     datamodule.setup("fit")
-    loader = iter(datamodule.train_dataloader())
-    batches = [next(loader) for _ in range(warmup + steps)]
+    loader = datamodule.train_dataloader()
+    if len(loader) <= warmup + steps:  # the Lightning run's clocked steps would span a validation
+        raise ConfigError(
+            f"--warmup {warmup} and --steps {steps} need an epoch of more than {warmup + steps} "
+            f"training batches, and this data gives {len(loader)}: lower them, or give more images"
+        )
+    batches = list(itertools.islice(loader, warmup + steps))
     del loader
 
     figures: dict[str, float] = {}
@@ -243,7 +249,10 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args()
     tidy_lightning_output()
-    figures = measure(args.overrides, args.steps, args.warmup, args.ablate, args.sync_steps)
+    try:
+        figures = measure(args.overrides, args.steps, args.warmup, args.ablate, args.sync_steps)
+    except ConfigError as error:  # settings the benchmark cannot time
+        parser.error(str(error))
     print(report(figures))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))

@@ -181,9 +181,11 @@ class NaViT(nn.Module):
         tokens, squares = tokens_per_image.sum(), tokens_per_image.pow(2).sum()
         images = (tokens_per_image > 0).sum()
         d, depth = self.num_features, len(self.blocks)
-        per_token = depth * (8 * d * d + 4 * d * self.mlp_hidden) + 4 * d * d  # blocks, pooling keys
+        # attention pooling's keys and values per token and its output per image (mean: none)
+        pooling = 1 if isinstance(self.pool, AttentionPool) else 0
+        per_token = depth * (8 * d * d + 4 * d * self.mlp_hidden) + pooling * 4 * d * d
         return 2 * (2 * self.patch_dim * d) * tokens + 3 * (
-            per_token * tokens + depth * 4 * d * squares + 2 * d * d * images
+            per_token * tokens + depth * 4 * d * squares + pooling * 2 * d * d * images
         )
 
 
