@@ -1,5 +1,7 @@
 """The benchmarks run (their figures are for people, not asserted as speeds)."""
 
+import re
+
 import pytest
 import torch
 
@@ -206,30 +208,50 @@ def test_the_index_benchmark_counts_the_opens_of_every_image_format(monkeypatch)
 @pytest.mark.parametrize("sides", [(8, 16), (4, 32)])
 def test_every_layout_of_the_attention_benchmark_holds_its_workload_at_valid_sides(sides):
     """--sides 8 16 at the default --tokens 4096 failed in the 256-token scaling rows ("2
-    workload images do not fit ...: raise --tokens", and raising it fails at 512 too); --sides
-    4 32 could never run (ROW_LENGTHS starts at 256 whatever the images' sizes). model_cases
-    packs the default --row-len and every ROW_LENGTHS row this way."""
-    from navit_lightning.bench.attention import ROW_LENGTHS, packed_batch, samples_for, workload
+    workload images do not fit ...: raise --tokens", and raising it failed at 512 too); --sides
+    4 32 could never run (the scaling rows started at 256 whatever the images' sizes)."""
+    from navit_lightning.bench.attention import packed_batch, samples_for, scaling_row_lengths, workload
 
-    tokens, row_len = 4096, 1024 if sides[1] > 16 else 512
+    tokens, row_len = 4096, sides[1] ** 2
     samples = samples_for(workload(tokens, sides), patch_dim=12)
-    for length in (row_len, *ROW_LENGTHS):
-        if length < max(len(s.patches) for s in samples):
-            continue  # a row shorter than an image: that layout may be skipped, not crash the run
+    longest = max(len(s.patches) for s in samples)
+    scaling = scaling_row_lengths(longest)
+    assert scaling and min(scaling) >= longest > min(scaling) // 2
+    for length in (row_len, *scaling):
         batch = packed_batch(samples, max(tokens, length), length, patch_dim=12)
         assert batch.num_images == len(samples), length
 
 
-def test_the_step_benchmark_refuses_more_steps_than_an_epoch_holds(project_root, monkeypatch):
+@pytest.mark.parametrize(
+    ("flags", "refusal"),
+    [
+        (["--sides", "4", "24"], "--row-len 512 is shorter than the largest image --sides draws (24 x 24"),
+        (["--tokens", "8"], "--tokens 8 holds no image of --sides 4 16"),
+    ],
+)
+def test_the_attention_benchmark_refuses_a_workload_its_rows_cannot_hold(monkeypatch, capsys, flags, refusal):
+    """--largest draws larger workloads of the same --sides: an image longer than --row-len
+    ended its search in a traceback naming data.row_len, and --tokens 200 in min() of nothing."""
+    from navit_lightning.bench import attention
+
+    monkeypatch.setattr("sys.argv", ["attention.py", *flags])
+    with pytest.raises(SystemExit) as exited:
+        attention.main()
+    assert exited.value.code == 2 and refusal in capsys.readouterr().err
+
+
+def test_the_step_benchmark_refuses_more_steps_than_run_between_validations(project_root, monkeypatch):
     """The tiny set holds 8 training batches an epoch: --steps 10 --warmup 1 ended in a bare
-    StopIteration, and steps that reach an epoch's end would time its validation too."""
+    StopIteration, and steps that reach an epoch's end (or a limit_train_batches) would time
+    its validation too."""
     from navit_lightning.bench import step
 
     monkeypatch.setenv("PROJECT_ROOT", str(project_root))
-    with pytest.raises(
-        ConfigError, match=r"need an epoch of more than 11 training batches, and this data gives 8"
-    ):
-        step.measure([*TINY_RUN], steps=10, warmup=1, ablate=False, sync_steps=0)
+    between = r"need more than (\d+) training batches between validations, and these settings give (\d+)"
+    for overrides, steps, allowed in (([], 10, 8), (["trainer.limit_train_batches=5"], 4, 5)):
+        with pytest.raises(ConfigError, match=between) as refused:
+            step.measure([*TINY_RUN, *overrides], steps=steps, warmup=1, ablate=False, sync_steps=0)
+        assert re.search(between, str(refused.value)).groups() == (str(steps + 1), str(allowed))
 
 
 @pytest.mark.parametrize("pool", ["attention", "mean"])

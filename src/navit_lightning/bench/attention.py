@@ -15,8 +15,9 @@ to 2:1) is packed into `--tokens` tokens per step; every figure comes from this 
   2. padded: the same images resized to one square size (the nearest to the same total
      patch count), one image per row (what a fixed-resolution ViT would be fed), same network, with and
      without torch.compile;
-  3. scaling: step time as the row length grows (256 .. 2048) at the same image mix;
-  4. peers: vit-pytorch's NaViT at every row length (its group_max_seq_len) and timm's
+  3. scaling: step time as the row length grows (256 .. 2048, from the first that holds the
+     longest image) at the same image mix;
+  4. peers: vit-pytorch's NaViT at each of those row lengths (its group_max_seq_len) and timm's
      NaFlexViT, at equal architecture on the same images (bench/peers.py), where installed;
   5. the machine's matmul rate, probed here, and each step's achieved model-FLOP rate
      (NaViT.train_flops: attention within images only) as a share of it, and of the
@@ -114,6 +115,11 @@ def samples_for(grids: list[tuple[int, int]], patch_dim: int, seed: int = 0) -> 
         pixels = torch.randint(0, 256, (h * w, patch_dim), generator=generator, dtype=torch.uint8)
         samples.append(ImageSample(pixels, torch.stack([ys.flatten(), xs.flatten()], 1), (h, w), i % 10))
     return samples
+
+
+def scaling_row_lengths(longest: int) -> list[int]:
+    """The ROW_LENGTHS whose rows hold an image of `longest` patches."""
+    return [row_len for row_len in ROW_LENGTHS if row_len >= longest]
 
 
 def packed_batch(samples: list[ImageSample], tokens: int, row_len: int, patch_dim: int) -> PackedBatch:
@@ -344,7 +350,7 @@ def model_cases(
         cases += [case("checkpointed", b, False, packed) for b in backends]
     cases += [case("padded", "sdpa", c, padded) for c in compile_modes]
     longest = max(len(s.patches) for s in samples)
-    row_lengths = [row_len for row_len in ROW_LENGTHS if row_len >= longest]  # each holds every image
+    row_lengths = scaling_row_lengths(longest)
     for row_len in row_lengths:
         batch = packed_batch(samples, max(args.tokens, row_len), row_len, patch_dim)
         cases += [case("scaling", b, False, batch) for b in backends]
@@ -608,10 +614,10 @@ def main() -> None:
     grids = workload(args.tokens, args.sides)
     if not grids:
         parser.error(f"--tokens {args.tokens} holds no image of --sides {args.sides[0]} {args.sides[1]}")
-    if (longest := max(h * w for h, w in grids)) > args.row_len:
+    if args.sides[1] ** 2 > args.row_len:  # --largest draws larger workloads of the same sides
         parser.error(
-            f"--row-len {args.row_len} is shorter than the workload's longest image ({longest} patches): "
-            "raise --row-len or lower --sides"
+            f"--row-len {args.row_len} is shorter than the largest image --sides draws "
+            f"({args.sides[1]} x {args.sides[1]} patches): raise --row-len or lower --sides"
         )
     machine = (
         torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU x{torch.get_num_threads()}"

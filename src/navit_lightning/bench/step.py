@@ -181,10 +181,15 @@ def measure(
     datamodule.prepare_data()
     datamodule.setup("fit")
     loader = datamodule.train_dataloader()
-    if len(loader) <= warmup + steps:  # the Lightning run's clocked steps would span a validation
+    between_validations = len(loader)
+    for limit in (cfg.trainer.get("limit_train_batches"), cfg.trainer.get("val_check_interval")):
+        if isinstance(limit, int):  # debug=limit, or a validation every so many batches
+            between_validations = min(between_validations, limit)
+    if between_validations <= warmup + steps:  # the Lightning run's clocked steps would take one in
         raise ConfigError(
-            f"--warmup {warmup} and --steps {steps} need an epoch of more than {warmup + steps} "
-            f"training batches, and this data gives {len(loader)}: lower them, or give more images"
+            f"--warmup {warmup} and --steps {steps} need more than {warmup + steps} training batches "
+            f"between validations, and these settings give {between_validations}: lower them, or give "
+            "more images"
         )
     batches = list(itertools.islice(loader, warmup + steps))
     del loader
