@@ -128,12 +128,15 @@ def test_init_from_loads_the_network_and_the_head_only_for_the_same_classes(tmp_
         state, others = one.state_dict(), other if isinstance(other, dict) else other.state_dict()
         return state.keys() == others.keys() and all(torch.equal(state[k], others[k]) for k in state)
 
-    for classes, head_loaded in [
-        (["a", "b", "c"], True),
-        (["a", "b", "z"], False),
-        (["a", "b", "c", "d"], False),
+    for classes, head, head_loaded in [
+        (["a", "b", "c"], "linear", True),
+        (["a", "b", "z"], "linear", False),
+        (["a", "b", "c", "d"], "linear", False),
+        (["a", "b", "c"], "bn_mlp", False),  # the same classes, another head: a new one
     ]:
-        model, config = built_model(f"model.num_classes={len(classes)}", "optimizer.lr=1e-2")
+        model, config = built_model(
+            f"model.num_classes={len(classes)}", "optimizer.lr=1e-2", f"model.head={head}"
+        )
         new_head = {name: t.clone() for name, t in model.head.state_dict().items()}
         assert not same(model.net, trained.net)
         load_initial_weights(model, config, path, classes)
