@@ -231,6 +231,16 @@ def test_the_processes_a_launcher_started_must_be_the_trainers_devices(
         check_launch(cfg)
 
 
+def test_a_sweeps_ranks_that_srun_started_are_no_sweep_of_lightnings_launcher(monkeypatch):
+    """Under srun Lightning's launcher starts no process: a sweep (-m) in a SLURM job's tasks,
+    one per device, with trainer.strategy=ddp runs each job in the tasks srun started (they
+    share the first task's sweep folder), and must not be refused as the launcher's would be."""
+    monkeypatch.setattr(validate, "in_sweep", lambda: True)
+    launched_by(monkeypatch, {"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train"})
+    trainer = config("trainer.accelerator=cpu", "trainer.strategy=ddp", "trainer.devices=2").trainer
+    validate.check_sweep_launch(trainer, 1)
+
+
 def test_a_sweep_of_several_processes_under_torchrun_is_refused(monkeypatch):
     """Its second job's ranks met over torchrun's store of the first job and hung or failed;
     one process has nothing to meet."""
