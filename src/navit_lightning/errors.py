@@ -20,9 +20,14 @@ def require_positive(prefix: str, **settings: float | None) -> None:
             raise ConfigError(f"{prefix}.{name}={value} must be above 0")
 
 
+def is_whole(value: object) -> bool:
+    """A whole number (not a bool, which Python counts as one)."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
 def is_count(value: object) -> bool:
-    """A whole number above 0 (not a bool, which Python counts as one)."""
-    return isinstance(value, Integral) and not isinstance(value, bool) and value >= 1
+    """A whole number above 0."""
+    return is_whole(value) and value >= 1
 
 
 def require_counts(prefix: str, **settings: int | None) -> None:

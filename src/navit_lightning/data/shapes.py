@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from PIL import Image, ImageDraw
 
 from navit_lightning.data.workers import map_with_progress
-from navit_lightning.errors import ConfigError, DataError, require_counts
+from navit_lightning.errors import ConfigError, DataError, is_whole, require_counts
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class ShapesSpec:
             raise ConfigError(
                 f"{prefix}.max_aspect={self.max_aspect} must be 1 or above (2 allows 2:1 and 1:2)"
             )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+        if not is_whole(self.seed):
             raise ConfigError(f"{prefix}.seed={self.seed} must be a whole number")
 
 

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ThroughputMonitor, Weight
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
-from navit_lightning.errors import ConfigError
+from navit_lightning.errors import ConfigError, is_whole
 from navit_lightning.utils.host_memory import keep_freed_memory
 
 log = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ class StopEarly(EarlyStopping):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if isinstance(self.patience, bool) or not isinstance(self.patience, int) or self.patience < 0:
+        if not is_whole(self.patience) or self.patience < 0:
             # a negative one stopped at the first validation without a rise, as 0 does
             raise ConfigError(
                 f"callbacks.early_stopping.patience={self.patience} must be a whole number, 0 or more"

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from navit_lightning import CONFIG_DIR
-from navit_lightning.errors import ConfigError, is_count, require_counts
+from navit_lightning.errors import ConfigError, is_count, is_whole, require_counts
 from navit_lightning.utils.checkpoints import CKPT_PATH_EXAMPLE, LIGHTNING_CKPT_NAMES, read_checkpoint
 from navit_lightning.utils.instantiate import dotted_settings
 from navit_lightning.utils.launch import in_sweep
@@ -168,7 +168,7 @@ def check_seed(seed: object) -> None:
     """Every rank plans the same epochs from the seed (the data's is the run's): seed=null
     left the data's unset (a traceback in the sampler), and would draw one per process under
     torchrun or srun; Lightning refuses what numpy cannot take, with a traceback."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+    if not is_whole(seed) or not 0 <= seed <= MAX_SEED:
         raise ConfigError(
             f"seed={'null' if seed is None else seed} must be a whole number from 0 to {MAX_SEED}: "
             "every rank plans the same batches from it (another number gives other draws)"
