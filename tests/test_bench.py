@@ -76,7 +76,7 @@ def test_attention_benchmark_measures_every_layout_on_the_same_images(tmp_path, 
 def test_profile_parts_go_by_op_name_and_the_optimizer_by_caller():
     from types import SimpleNamespace
 
-    from navit_lightning.bench.profile import OPTIMIZER, OTHER, part_of
+    from navit_lightning.bench.profile import COMPILED, OPTIMIZER, OTHER, part_of
 
     def event(name, parent=None):
         return SimpleNamespace(name=name, cpu_parent=parent)
@@ -89,10 +89,23 @@ def test_profile_parts_go_by_op_name_and_the_optimizer_by_caller():
         "aten::scatter_add_": "gathers, scatters (layout, positions, pooling)",
         "aten::cat": "copies, cat, stack (layout)",
         "aten::add_": OTHER,
+        "## Call CompiledFxGraph fmmcat2 ##": COMPILED,
+        "triton_poi_fused_add_mul_0": COMPILED,
     }
     assert {name: part_of(event(name)) for name in expected} == expected
     step = event("Optimizer.step#AdamW.step")
     assert part_of(event("aten::lerp_", event("aten::_foreach_lerp_", step))) == OPTIMIZER
+
+
+def test_a_compiled_steps_fused_kernels_are_a_part_of_their_own():
+    """inductor runs them outside aten ops, where they would pass for the host's Python."""
+    from navit_lightning.bench.profile import COMPILED, UNACCOUNTED, profile_step
+
+    fused = torch.compile(lambda x: (x.sin() * x.cos() + x.exp()).tanh().sum())
+    x = torch.randn(1 << 22)
+    fused(x)
+    profiled = profile_step(lambda: fused(x), torch.device("cpu"))
+    assert profiled.parts.get(COMPILED, 0) > 5 * profiled.parts[UNACCOUNTED["cpu"]], profiled.parts
 
 
 def test_step_benchmark_times_bare_and_lightning_steps_and_every_suspect(project_root, monkeypatch):

@@ -1,8 +1,9 @@
 """Where a training step's milliseconds go: torch's profiler over a few steps, each op's own
 time summed into the parts of a ViT step (matmuls, attention, norms, GELU, layout copies,
-gathers, other elementwise work, the optimizer) plus what no op accounts for (Python, the
-autograd engine and dispatch on a CPU; an idle GPU on CUDA). And a step's peak host memory,
-which torch's CPU allocator does not keep, from the profiler's record of every allocation.
+gathers, other elementwise work, the optimizer, a compiled step's fused kernels) plus what no
+op accounts for (Python, the autograd engine and dispatch on a CPU; an idle GPU on CUDA). And
+a step's peak host memory, which torch's CPU allocator does not keep, from the profiler's
+record of every allocation.
 
 The attention benchmark calls them (`--profile`, `--memory`).
 """
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import ProfilerActivity, profile
 
@@ -28,6 +30,11 @@ PARTS: dict[str, tuple[str, ...]] = {
     "copies, cat, stack (layout)": ("copy", "cat", "stack", "clone", "contiguous"),
 }
 OPTIMIZER = "optimizer (AdamW step, zero_grad)"
+# inductor runs its fused kernels outside aten ops: on a CPU inside the compiled graph's call,
+# on CUDA each triton launch under its kernel's name. Its matmuls stay aten ops (extern kernels),
+# and flex attention's kernels are counted here.
+COMPILED = "compiled kernels (inductor's fused ops)"
+COMPILED_NAMES = ("## Call CompiledFxGraph", "triton")
 OTHER = "other elementwise and reductions"
 UNACCOUNTED = {"cpu": "Python, autograd engine, dispatch (no op)", "cuda": "GPU idle (no kernel)"}
 
@@ -65,6 +72,8 @@ def part_of(event: FunctionEvent) -> str:
         if parent.name.startswith(("Optimizer.step", "Optimizer.zero_grad")):
             return OPTIMIZER
         parent = parent.cpu_parent
+    if event.name.startswith(COMPILED_NAMES):  # before PARTS: a graph's hash may hold "mm"
+        return COMPILED
     name = event.name.removeprefix("aten::")
     return next((part for part, names in PARTS.items() if any(n in name for n in names)), OTHER)
 
@@ -84,8 +93,11 @@ def profile_step(step: Callable[[], None], device: torch.device, steps: int = 3)
         wall_ms = 1000 * (time.perf_counter() - start) / steps
     parts: dict[str, float] = {}
     for event in prof.events():
-        # A user annotation's own time (Optimizer.step#...) is the optimizer's Python.
-        if not event.name.startswith(("aten::", "Optimizer.")):
+        # A user annotation's own time (Optimizer.step#...) is the optimizer's Python. A CUDA
+        # kernel is also an event of its own, besides the CPU op that launched it: count it once.
+        if event.device_type != DeviceType.CPU or not event.name.startswith(
+            ("aten::", "Optimizer.", *COMPILED_NAMES)
+        ):
             continue
         own_us = event.self_device_time_total if cuda else event.self_cpu_time_total
         part = OPTIMIZER if event.name.startswith("Optimizer.") else part_of(event)
