@@ -2,12 +2,16 @@
 
 import os
 import re
+import traceback
 
 import hydra
+import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import InstantiationException
+from lightning.pytorch.demos.boring_classes import BoringModel
+from torch.multiprocessing.spawn import ProcessRaisedException
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError
@@ -16,6 +20,7 @@ from navit_lightning.predict import predict
 from navit_lightning.utils import validate
 from navit_lightning.utils.entry_point import refusal, refuse_null_groups
 from navit_lightning.utils.validate import check_launch
+from tests.conftest import TINY_RUN
 
 
 def config(*overrides: str):
@@ -342,8 +347,40 @@ def test_a_constructor_refusing_a_setting_says_which_in_one_line(overrides, mess
 def test_a_constructor_failing_otherwise_keeps_its_traceback():
     with pytest.raises(InstantiationException) as raised:
         hydra.utils.instantiate({"_target_": "navit_lightning.models.NaViT", "pixel_std": "oops"})
-    with pytest.raises(InstantiationException):
-        refusal(raised.value)
+    assert refusal(raised.value) is None
+
+
+def test_a_setting_lightning_refuses_when_the_fit_starts_says_which_in_one_line(tmp_path):
+    """Lightning checks val_check_interval against the batches of an epoch inside the fit; an
+    error of the same form from other code keeps its traceback."""
+    trainer = L.Trainer(
+        val_check_interval=1000,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(ValueError) as raised:
+        trainer.fit(BoringModel())
+    assert refusal(raised.value).startswith(
+        "trainer.val_check_interval: `val_check_interval` (1000) must be less than or equal to the number "
+        "of the training batches (64)."
+    )
+    with pytest.raises(ValueError) as ours:
+        raise ValueError("`val_check_interval` (1000) is not Lightning's")
+    assert refusal(ours.value) is None
+
+
+def test_a_ddp_spawn_ranks_refusal_reaches_the_launching_process_as_its_line():
+    """torch sends the launching process a spawned rank's error as its traceback's text."""
+    try:
+        raise ConfigError("trainer.val_check_interval: past the batches")
+    except ConfigError:
+        sent = traceback.format_exc()
+    assert refusal(ProcessRaisedException(sent, 1, 123)) == "trainer.val_check_interval: past the batches"
+    other = sent.replace("navit_lightning.errors.ConfigError", "RuntimeError")
+    assert refusal(ProcessRaisedException(other, 1, 123)) is None
 
 
 @pytest.mark.parametrize(
@@ -407,6 +444,19 @@ def test_refusal_is_one_line_and_exit_code_2(run_entry_point, overrides, message
     errors = [line for line in lines if "error:" in line]
     assert len(errors) == 1 and message in errors[0], errors
     assert lines == errors  # Lightning's "Seed set to 42" came before the line of some
+
+
+@pytest.mark.slow
+def test_a_setting_refused_in_ddp_spawns_ranks_is_one_line_and_exit_code_2(run_entry_point):
+    """Lightning checks val_check_interval in the ranks, which ddp_spawn's launching process
+    heard of as a traceback; and no rank warns of a save lost before the first step."""
+    spawned = ["strategy=ddp_spawn", "trainer.accelerator=cpu", "trainer.devices=2"]
+    result = run_entry_point("train.py", *TINY_RUN, "trainer.val_check_interval=1000", *spawned, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "trainer.val_check_interval: `val_check_interval` (1000) must be" in errors[0]
+    assert "Traceback" not in output and "not saved" not in output, output[-3000:]
 
 
 @pytest.mark.slow

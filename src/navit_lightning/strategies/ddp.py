@@ -50,7 +50,8 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 from torchmetrics.utilities.prints import rank_zero_only as torchmetrics_rank_zero_only
 
 import __main__
-from navit_lightning.utils.entry_point import tidy_lightning_output
+from navit_lightning.errors import ConfigError
+from navit_lightning.utils.entry_point import refusal, tidy_lightning_output
 from navit_lightning.utils.launch import in_sweep, quiet_overrides
 from navit_lightning.utils.shutdown import end_promptly_on_signals
 
@@ -150,7 +151,15 @@ class _HydraLoggingSpawnLauncher(_MultiProcessingLauncher):
         logging.config.dictConfig(job_logging)
         tidy_lightning_output()
         end_promptly_on_signals()
-        super()._wrapping_function(process_idx, *args, **kwargs)
+        try:
+            super()._wrapping_function(process_idx, *args, **kwargs)
+        except Exception as error:
+            # torch hands the launching process a rank's error as its traceback's text: a
+            # refusal goes as a ConfigError of its one line, which refusal() reads back there.
+            message = refusal(error)
+            if message is None:
+                raise
+            raise ConfigError(message) from None
 
 
 class HydraDDPStrategy(DDPStrategy):

@@ -97,9 +97,9 @@ class ResumeCheckpoint(ModelCheckpoint):
         # all make at once (SIGTERM, through StopTogetherOnSigterm; Ctrl-C) reaches it; an
         # error is one rank's (one GPU out of memory), or a broken process group's: that
         # rank waited in the barrier for collective_timeout_s, then exited with the
-        # barrier's error in place of its own.
+        # barrier's error in place of its own. Before the first step there is nothing to lose.
         if trainer.world_size > 1 and isinstance(exception, Exception):
-            if not is_explained_elsewhere(exception):
+            if trainer.global_step > 0 and not is_explained_elsewhere(exception):
                 log.warning(
                     f"rank {trainer.global_rank}: {type(exception).__name__} at step "
                     f"{trainer.global_step}, not saved (every rank would have to join the save): "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 import sys
@@ -11,10 +12,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import lightning as L
 from hydra.errors import InstantiationException
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
+from torch.multiprocessing.spawn import ProcessRaisedException
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError, DataError
@@ -97,19 +100,19 @@ def drop_lightning_adverts(record: logging.LogRecord) -> bool:
 @contextmanager
 def refuse_bad_input() -> Iterator[None]:
     """Turn a DataError (bad data.root, a class folder without images, ...), a ConfigError (a
-    GPU-only setting on CPU, ...) or the Trainer's refusal of an argument (trainer.devices=0)
-    into one line on the console and exit code 2, instead of a traceback; in a sweep (-m),
-    into a failed job, where SystemExit would end the sweep at it. Hydra wraps what a
-    constructor raises: the cause is what counts."""
+    GPU-only setting on CPU, ...) or Lightning's refusal of a Trainer argument (trainer.devices=0
+    when built, trainer.val_check_interval past an epoch's batches when fit starts) into one
+    line on the console and exit code 2, instead of a traceback; in a sweep (-m), into a failed
+    job, where SystemExit would end the sweep at it."""
     try:
         yield
-    except (DataError, ConfigError, InstantiationException) as error:
-        message = refusal(error)
-        logging.getLogger("navit_lightning").error("error: %s", message)
-        raise job_end(message, 2) from None
     except JobFailed:  # its line is logged
         raise
-    except Exception:
+    except Exception as error:
+        message = refusal(error)
+        if message is not None:
+            logging.getLogger("navit_lightning").error("error: %s", message)
+            raise job_end(message, 2) from None
         # Hydra keeps a failed job's error to itself and, at the sweep's end, raises the first
         # failed job's alone: the others' would be nowhere, in the console or the job's log.
         if in_sweep():
@@ -117,16 +120,23 @@ def refuse_bad_input() -> Iterator[None]:
         raise
 
 
-def refusal(error: Exception) -> str:
-    """What `error` says to the user, or `error` raised again where it is not about the input."""
-    if not isinstance(error, InstantiationException):
+def refusal(error: Exception) -> str | None:
+    """What `error` says to the user, or None where it is not about the input."""
+    if isinstance(error, (DataError, ConfigError)):
         return str(error)
+    if isinstance(error, ProcessRaisedException):  # a ddp_spawn rank's, as strategies/ddp.py sends it
+        last_line = error.msg.strip().rsplit("\n", 1)[-1]
+        sent_as = f"{ConfigError.__module__}.{ConfigError.__qualname__}: "
+        return last_line.removeprefix(sent_as) if last_line.startswith(sent_as) else None
+    if not isinstance(error, InstantiationException):
+        return trainer_setting_refused(error)
+    # Hydra wraps what a constructor raises: the cause is what counts.
     cause = error.__cause__
     if isinstance(cause, (DataError, ConfigError)):
         return str(cause)
     key = re.search(r"^full_key: (\S+)", str(error), re.MULTILINE)
     if key is None:
-        raise error
+        return None
     # Lightning's refusals of arguments (a callback's too), a keyword no constructor takes
     # (+data.rowz=3), and whatever the Trainer's constructor raises: it only checks them.
     trainer = key[1].split(".")[0] == "trainer"
@@ -136,4 +146,22 @@ def refusal(error: Exception) -> str:
         or (trainer and isinstance(cause, (TypeError, ValueError)))
     ):
         return f"{key[1]}: {cause}"
-    raise error
+    return None
+
+
+def trainer_setting_refused(error: Exception) -> str | None:
+    """Lightning's refusal of a Trainer argument that it checks only when a fit starts, against
+    the data (`val_check_interval` past the batches of an epoch): raised in Lightning's own
+    code, its message opening with the argument's name."""
+    if not isinstance(error, (ValueError, MisconfigurationException)) or error.__traceback__ is None:
+        return None
+    innermost = error.__traceback__
+    while innermost.tb_next is not None:
+        innermost = innermost.tb_next
+    raised_in = innermost.tb_frame.f_globals.get("__name__", "")
+    named = re.match(r"\s*`(\w+)`", str(error))
+    if not raised_in.startswith("lightning.") or named is None:
+        return None
+    if named[1] not in inspect.signature(L.Trainer.__init__).parameters:
+        return None
+    return f"trainer.{named[1]}: {str(error).strip()}"
