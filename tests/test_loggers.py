@@ -12,7 +12,7 @@ from unittest.mock import MagicMock
 import pytest
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
-from navit_lightning.utils.loggers import loggers_closed_on_failure
+from navit_lightning.utils.loggers import ResumableMLFlowLogger, loggers_closed_on_failure
 from tests.conftest import TINY_RUN, logged_scalars, run_folder
 
 pytestmark = pytest.mark.slow
@@ -62,20 +62,58 @@ def test_many_gives_tensorboard_and_csv_the_same_values(run_entry_point):
     assert len(board) > 1
 
 
-def test_mlflow_logger_keeps_runs_in_one_local_database(run_entry_point):
+def test_mlflow_logger_keeps_runs_in_one_local_database_and_a_resumed_run_goes_on_in_its_own(run_entry_point):
     mlflow = pytest.importorskip("mlflow")
     result = run_entry_point("train.py", "logger=mlflow", *TINY_RUN)
     root = run_entry_point.root
+    run = run_folder(root)
     client = mlflow.MlflowClient(f"sqlite:///{root}/logs/mlflow/mlflow.db")
-    (stored,) = client.search_runs([client.get_experiment_by_name("train").experiment_id])
+    experiment = client.get_experiment_by_name("train").experiment_id
+    (stored,) = client.search_runs([experiment])
     assert stored.info.status == "FINISHED"
-    assert stored.data.tags["run_dir"] == str(run_folder(root))
+    assert stored.data.tags["run_dir"] == str(run)
     assert stored.data.params["model/net/dim"] == "32"
     assert {"val/acc", "test/acc"} <= set(stored.data.metrics)
     losses = client.get_metric_history(stored.info.run_id, "train/loss_step")
-    assert [metric.step for metric in losses] == list(range(trained_batches(result)))
+    first = trained_batches(result)
+    assert [metric.step for metric in losses] == list(range(first))
     # nothing in the working directory (mlflow's default ./mlruns)
     assert sorted(path.name for path in root.iterdir()) == ["data", "logs"]
+
+    more = ["ckpt_path=last", "trainer.max_epochs=2"]
+    resumed = run_entry_point("train.py", "logger=mlflow", *TINY_RUN, f"hydra.run.dir={run}", *more)
+    (stored,) = client.search_runs([experiment])
+    assert stored.info.status == "FINISHED"
+    losses = client.get_metric_history(stored.info.run_id, "train/loss_step")
+    assert [metric.step for metric in losses] == list(range(first + trained_batches(resumed)))
+    assert [metric.step for metric in client.get_metric_history(stored.info.run_id, "val/acc")] == [
+        first - 1,
+        len(losses) - 1,
+    ]
+    # MLflow refuses to change a param: the run keeps its first values and says which differ
+    assert stored.data.params["trainer/max_epochs"] == "1"
+    output = resumed.stdout + resumed.stderr
+    assert (
+        "keeps the params it was started with: ckpt_path=None (now last), trainer/max_epochs=1 (now 2)"
+        in output
+    )
+
+
+def test_mlflow_logger_goes_on_with_the_run_of_its_own_folder_alone(tmp_path):
+    mlflow = pytest.importorskip("mlflow")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+
+    def logger(run_dir: str) -> ResumableMLFlowLogger:
+        return ResumableMLFlowLogger("train", tracking_uri=uri, tags={"run_dir": run_dir})
+
+    first = {run_dir: logger(run_dir).run_id for run_dir in ("/runs/a", "/runs/b", "/runs/it's")}
+    assert len(set(first.values())) == 3
+    again = {run_dir: logger(run_dir).run_id for run_dir in first}
+    assert again == first
+    client = mlflow.MlflowClient(uri)
+    assert {client.get_run(run_id).info.status for run_id in again.values()} == {"RUNNING"}
+    client.delete_run(first["/runs/a"])  # a deleted run is not taken up again
+    assert logger("/runs/a").run_id not in first.values()
 
 
 def test_wandb_logger_writes_an_offline_run_into_each_jobs_folder(run_entry_point, tmp_path_factory):

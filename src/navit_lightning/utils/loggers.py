@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import csv
+from argparse import Namespace
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
-from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 
 class AppendingExperimentWriter(ExperimentWriter):
@@ -35,6 +42,50 @@ class ResumableCSVLogger(CSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = AppendingExperimentWriter(log_dir=self.log_dir)
         return self._experiment
+
+
+class ResumableMLFlowLogger(MLFlowLogger):
+    """An MLFlowLogger that goes on with the MLflow run already logging its run folder (the
+    run whose `run_dir` tag is this one's: a resumed run, a requeued SLURM job), as TensorBoard
+    and CSV go on in the folder's files, where Lightning's starts another run. MLflow keeps a
+    param's first value: a setting changed since (trainer.max_epochs=16 on resume) keeps it
+    there, and a line says so."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> MlflowClient:
+        if not self._initialized and self._run_id is None and (self.tags or {}).get("run_dir"):
+            self._run_id = self._run_logging(str(self.tags["run_dir"]))
+            if self._run_id is not None:
+                self._mlflow_client.update_run(self._run_id, status="RUNNING")
+        return super().experiment
+
+    def _run_logging(self, run_dir: str) -> str | None:
+        """The newest active run of this logger's experiment tagged with `run_dir`."""
+        experiment = self._mlflow_client.get_experiment_by_name(self._experiment_name)
+        if experiment is None or experiment.lifecycle_stage == "deleted":
+            return None
+        quote = '"' if "'" in run_dir else "'"
+        runs = self._mlflow_client.search_runs(
+            [experiment.experiment_id],
+            filter_string=f"tags.run_dir = {quote}{run_dir}{quote}",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+        return runs[0].info.run_id if runs else None
+
+    @rank_zero_only
+    def log_hyperparams(self, params: dict[str, Any] | Namespace) -> None:
+        # as Lightning's MLFlowLogger stores them
+        given = {key: str(value)[:250] for key, value in _flatten_dict(_convert_params(params)).items()}
+        kept = self.experiment.get_run(self.run_id).data.params
+        changed = {key: value for key, value in given.items() if kept.get(key, value) != value}
+        if changed:
+            rank_zero_info(
+                f"MLflow run {self.run_id} keeps the params it was started with: "
+                + ", ".join(f"{key}={kept[key]} (now {value})" for key, value in changed.items())
+            )
+        super().log_hyperparams({key: value for key, value in given.items() if key not in changed})
 
 
 def finish_loggers(trainer: L.Trainer, final: dict[str, float], status: str = "success") -> None:
