@@ -121,6 +121,22 @@ def test_a_resume_takes_the_commands_optimizer_settings_and_keeps_its_rates(capl
     assert "optimizer settings" not in caplog.text
 
 
+def test_a_resumes_optimizer_of_another_layout_or_without_a_setting_is_left_to_lightning():
+    """Another number of groups is Lightning's load to explain; a setting the checkpoint's
+    optimizer lacks (another optimizer, another torch) is not added, nor does it raise."""
+    model = make_model("linear")
+    model.optimizer_factory = partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.5)
+    (one_group,) = torch.optim.AdamW(model.parameters(), weight_decay=0.05).state_dict()["param_groups"]
+    model._take_optimizer_settings([one_group])
+    assert one_group["weight_decay"] == 0.05
+    saved = torch.optim.AdamW(parameter_groups(model), weight_decay=0.05).state_dict()["param_groups"]
+    for group in saved:
+        del group["foreach"]
+    model._take_optimizer_settings(saved)
+    assert [group["weight_decay"] for group in saved] == [0.5, 0.0]
+    assert not any("foreach" in group for group in saved)
+
+
 def test_batchnorm_head_counts_only_the_real_images():
     model = make_model("bn_mlp").train()
     batch = make_batch()
@@ -203,10 +219,22 @@ def test_the_epoch_loss_and_accuracy_are_means_over_the_images_of_every_rank():
         mean = ranks[0].metrics[name]
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            ranks[2].metrics[name].compute()  # the filler-only rank's own value
+            # the filler-only rank's own value: no image, a mean of 0 (not 0 / 0)
+            assert ranks[2].metrics[name].compute().item() == 0
         for rank in ranks[1:]:
             mean.merge_state(rank.metrics[name])
         torch.testing.assert_close(mean.compute(), expected, atol=1e-6, rtol=0, msg=name)
+
+
+def test_the_model_flops_are_the_last_training_batchs():
+    """Counted on the host for the training batches only: an evaluation's batches count none."""
+    model, training, evaluation = make_model("linear"), make_batch(), make_batch(images=3)
+    model.trainer = SimpleNamespace(training=True)
+    model.on_before_batch_transfer(training, 0)
+    assert model.flops_per_batch == int(model.net.train_flops(training)) > 0
+    model.trainer = SimpleNamespace(training=False)
+    model.on_before_batch_transfer(evaluation, 0)
+    assert model.flops_per_batch == int(model.net.train_flops(training))
 
 
 def test_throughput_monitor_logs_tokens_and_model_flops(tmp_path):
@@ -246,6 +274,59 @@ def test_throughput_monitor_logs_tokens_and_model_flops(tmp_path):
     assert samples / items == pytest.approx(batch.num_images / batch.num_real_tokens)
     # an evaluation's figures were logged at its own batch numbers, from 1 at every validation
     assert not [name for name in columns if name.startswith(("validate/", "test/"))]
+
+
+def validation_trainer(fn: TrainerFn = TrainerFn.FITTING, sanity_checking: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(state=SimpleNamespace(fn=fn), sanity_checking=sanity_checking)
+
+
+@torch.no_grad()
+def test_the_confusion_matrix_counts_the_images_of_the_first_validation_loader_only(monkeypatch):
+    """The other loaders of a budget sweep see the same images again at other sizes."""
+    model, batch = make_model("linear").eval(), make_batch()
+    monkeypatch.setattr(model, "log", lambda *_, **__: None)
+    model.validation_step(batch, 0, dataloader_idx=1)
+    assert model.val_confusion.confmat.sum() == 0
+    model.validation_step(batch, 0, dataloader_idx=0)
+    assert model.val_confusion.confmat.sum() == batch.num_images
+
+
+@torch.no_grad()
+def test_only_fits_validations_past_the_sanity_check_make_the_best_accuracy_and_the_confusion_matrix(
+    monkeypatch,
+):
+    model, batch = make_model("linear").eval(), make_batch()
+    monkeypatch.setattr(model, "log", lambda *_, **__: None)
+
+    def validate(trainer: SimpleNamespace) -> None:
+        model.trainer = trainer
+        model.metrics["val_acc"].reset()
+        model.validation_step(batch, 0)
+        model.on_validation_epoch_end()
+
+    validate(validation_trainer(sanity_checking=True))
+    validate(validation_trainer(TrainerFn.VALIDATING))  # eval.py on the val split
+    assert model.val_acc_best.max_value.item() == -math.inf and model.val_confusion_matrix is None
+    for _ in range(2):  # each validation's confusion matrix counts its own images only
+        validate(validation_trainer())
+        assert model.val_acc_best.max_value == model.metrics["val_acc"].compute()
+        assert model.val_confusion_matrix.sum() == batch.num_images
+
+
+def test_each_stage_starts_its_metrics_from_nothing_and_only_fit_compiles(monkeypatch):
+    model, batch = make_model("linear"), make_batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no Trainer here to log to
+        model.validation_step(batch, 0)
+    model.setup("validate")
+    assert model.metrics["val_loss"].images.item() == 0 and model.val_confusion.confmat.sum() == 0
+    compiled: list[bool] = []
+    monkeypatch.setattr(model.net, "compile", lambda: compiled.append(True))
+    model.compile = True
+    model.setup("validate")
+    assert not compiled
+    model.setup("fit")
+    assert compiled == [True]
 
 
 def test_the_monitorable_metrics_are_those_a_fit_leaves_for_the_callbacks():
@@ -303,6 +384,24 @@ def test_accumulated_batches_make_one_mean_over_the_steps_images(project_root):
     trainer.fit(model, datamodule=small_images())
     for (name, moved), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(moved, expected, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_at_two_ranks_a_step_moves_by_the_mean_gradient_over_every_ranks_images(monkeypatch):
+    """This rank's batch of 7 images gives its summed loss; DDP then averages the 2 ranks'
+    summed gradients, which the hook scales by 2 / (7 + the other rank's 5) images."""
+    model, batch = make_model("linear"), make_batch(images=7)
+    other_rank = 5
+    strategy = SimpleNamespace(reduce=lambda tensor, reduce_op: tensor + other_rank)
+    model.trainer = SimpleNamespace(world_size=2, accumulate_grad_batches=1, strategy=strategy)
+    monkeypatch.setattr(model, "log", lambda *_, **__: None)
+    loss = model.training_step(batch, 0)
+    torch.testing.assert_close(loss, image_loss(model(batch), batch.labels[batch.image_slots]) * 7)
+    loss.backward()
+    summed = [p.grad.clone() for p in model.parameters()]
+    model.on_before_optimizer_step(None)
+    for parameter, gradient in zip(model.parameters(), summed, strict=True):
+        torch.testing.assert_close(parameter.grad, gradient * 2 / (7 + other_rank))
+    assert model._step_images == 0
 
 
 @pytest.mark.parametrize(("rule", "exponent"), [("sqrt", 0.5), ("linear", 1.0), (None, 0.0)])
@@ -380,6 +479,13 @@ def test_a_training_step_logs_its_batchs_images_and_fill(monkeypatch):
     assert logged["train/fill"].item() == pytest.approx(batch.num_real_tokens / batch.image_ids.numel())
 
 
+def test_a_checkpoints_resume_point_is_its_training_loaders_position():
+    position = {"epoch": 1, "batches_done": 3, "batches_per_rank": 8, "ranks": 2, "plan": "0" * 64}
+    checkpoint = {"global_step": 11, "loops": {"fit_loop": {"state_dict": {"combined_loader": [position]}}}}
+    assert ResumePoint.of(checkpoint) == ResumePoint(11, 1, 3, 8)
+    assert ResumePoint.of({"global_step": 11, "loops": {}}) is None  # no loader position saved
+
+
 def test_a_resumed_epoch_has_no_more_batches_left_than_this_run_gives_it():
     """Resumed 5 batches into an epoch planned at 8 a rank, where this run's epoch has 4 (on
     twice the ranks): nothing of it is left, not the 3 the old plan had still to go."""
@@ -409,6 +515,48 @@ def test_a_resumed_runs_schedule_is_its_steps_made_and_to_come_capped_at_max_ste
     assert schedule_model(None, estimated_stepping_batches=12, max_steps=12)._schedule_length() == 12
     unbounded = schedule_model(at_epoch_end, max_epochs=-1, estimated_stepping_batches=math.inf)
     assert unbounded._schedule_length() == math.inf
+    # epochs without end, to trainer.max_steps: Lightning's estimate, that step
+    endless = schedule_model(at_epoch_end, max_epochs=-1, max_steps=40, estimated_stepping_batches=40)
+    assert endless._schedule_length() == 40
+
+
+def test_a_resumed_runs_schedule_counts_an_epochs_last_accumulation_window_as_a_step():
+    """10 batches an epoch at 3 a step are 4 steps (Lightning steps on the epoch's last batch):
+    resumed at step 1 (3 batches done) of epoch 0 of 3, 3 + 4 + 4 steps to come."""
+    mid_epoch = ResumePoint(1, 0, 3, 10)
+    assert schedule_model(mid_epoch, accumulate_grad_batches=3)._schedule_length() == 12
+
+
+def test_a_resume_keeps_its_runs_schedule_length_unless_what_it_follows_changed():
+    """Lightning's estimate counts the batches of the epoch the loader is at (each is packed
+    anew): the run's own length, saved, holds while the settings it follows are the same."""
+
+    def configured(checkpoint: dict | None, **trainer: Any) -> NaViTClassifier:
+        model = make_model("linear")
+        model.scheduler_factory = lambda optimizer, steps: torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda _: 1.0
+        )
+        settings = dict(
+            max_epochs=3,
+            max_steps=-1,
+            accumulate_grad_batches=1,
+            world_size=1,
+            limit_train_batches=1.0,
+            datamodule=None,
+            estimated_stepping_batches=30,
+            state=SimpleNamespace(fn=TrainerFn.FITTING),
+        )
+        model.trainer = SimpleNamespace(**{**settings, **trainer})
+        if checkpoint is not None:
+            model.on_load_checkpoint(checkpoint)
+        model.configure_optimizers()
+        return model
+
+    checkpoint: dict = {"global_step": 10}
+    configured(None, estimated_stepping_batches=42).on_save_checkpoint(checkpoint)
+    assert checkpoint["schedule"]["steps"] == 42
+    assert configured(checkpoint)._schedule["steps"] == 42
+    assert configured(checkpoint, world_size=2)._schedule["steps"] == 30
 
 
 def test_a_synced_batchnorm_head_in_a_world_of_one_rank_trains_on_one_image(tmp_path):

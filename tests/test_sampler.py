@@ -8,7 +8,14 @@ import pytest
 
 from navit_lightning.batch import PackedShape
 from navit_lightning.data.folder import mirrored
-from navit_lightning.data.sampler import EpochOrder, PackedBatchSampler, SampleKey, SizePolicy, plan_batches
+from navit_lightning.data.sampler import (
+    EpochOrder,
+    PackedBatchSampler,
+    SampleKey,
+    SizePolicy,
+    plan_batches,
+    refuse_other_ranks,
+)
 from navit_lightning.data.transforms import fit_grid, fit_grids
 from navit_lightning.errors import ConfigError, DataError
 from tests.test_packing import reference_first_fit_decreasing
@@ -261,6 +268,19 @@ def test_bad_policies_are_refused(kwargs, message):
         SizePolicy(patch_size=8, max_patches=64, **kwargs)
 
 
+def test_a_budget_range_of_one_budget_is_taken():
+    """min_patches may be 1 or max_patches: both ends of the range are allowed."""
+    keys = SizePolicy(patch_size=8, max_patches=64, min_patches=64).keys(np.full((50, 2), 200), 0, 0)
+    assert (keys.max_patches == 64).all()
+    SizePolicy(patch_size=8, max_patches=64, min_patches=1)
+
+
+@pytest.mark.parametrize("rank", [-1, 2])
+def test_a_rank_outside_the_world_is_refused(rank):
+    with pytest.raises(ValueError, match=f"rank {rank} is outside 0..1"):
+        PackedBatchSampler(image_sizes(10), SHAPE, FIXED, shuffle=True, num_replicas=2, rank=rank)
+
+
 def test_set_epoch_reshuffles_and_redraws_deterministically():
     sizes = image_sizes(300)
     assert rank_batches(sizes, 2, epoch=1) == rank_batches(sizes, 2, epoch=1)
@@ -336,6 +356,30 @@ def test_a_position_at_the_end_of_an_epoch_starts_the_next_one():
         for sampler in resumed:
             sampler.resume(position)
         assert [list(sampler) for sampler in resumed] == rank_batches(sizes, world, epoch=5)
+
+
+def test_an_epoch_end_position_of_several_ranks_resumes_on_any_number_of_them():
+    """Its batches_done is each rank's count, as is batches_per_rank: were that the whole plan's,
+    the epoch would read as unfinished, and train.py (which asks before the ranks start) and
+    every rank would refuse another rank count."""
+    sizes = image_sizes(300)
+    running = samplers(sizes, 2)
+    for sampler in running:
+        sampler.sampler.set_epoch(4)
+    position = running[0].position(len(running[0]))
+    for world in (1, 2, 3):
+        refuse_other_ranks(position, world)
+        resumed = samplers(sizes, world)
+        for sampler in resumed:
+            sampler.resume(position)
+        assert [list(sampler) for sampler in resumed] == rank_batches(sizes, world, epoch=5)
+
+
+def test_the_fill_of_a_one_batch_epoch_but_its_last_batch_is_that_batchs():
+    sampler = PackedBatchSampler(image_sizes(3), SHAPE, FIXED, shuffle=False)
+    stats = sampler.plan_stats()
+    assert stats.batches == 1 and stats.fill > 0
+    assert stats.fill_but_last == stats.fill
 
 
 def test_resuming_mid_epoch_on_other_ranks_or_data_is_refused():
