@@ -439,3 +439,37 @@ def test_hidden_folders_beside_the_classes_are_no_classes(tmp_path):
         save(Image.new("RGB", (8, 8)), tmp_path / name)
     (tmp_path / ".ipynb_checkpoints").mkdir()
     assert PackedImageDataModule(str(tmp_path)).class_names() == ["cat", "dog"]
+
+
+def test_unreadable_images_are_warned_once_per_counted_epoch_at_its_number_and_never_from_the_sanity_check(
+    caplog,
+):
+    """The sanity check's count is no epoch's (it was warned beside the first validation's),
+    a hook with no batch counted since the last warning warns nothing, and a count of 0 is
+    not worth a line."""
+    logged = []
+    module = SimpleNamespace(log=lambda name, value, **options: logged.append((name, value)))
+    dataset = SimpleNamespace(take_unreadable_count=lambda: 1)
+    trainer = SimpleNamespace(
+        datamodule=SimpleNamespace(datasets={"train": dataset, "val": dataset}),
+        current_epoch=3,
+        sanity_checking=True,
+        is_global_zero=True,
+        callback_metrics={
+            "val/unreadable_images": torch.tensor(1.0),
+            "train/unreadable_images": torch.tensor(0.0),
+        },
+    )
+    report = UnreadableImageReport()
+    with caplog.at_level(logging.WARNING):
+        report.on_validation_batch_end(trainer, module)
+        report.on_validation_end(trainer, module)
+        trainer.sanity_checking = False
+        report.on_validation_batch_end(trainer, module)
+        report.on_validation_end(trainer, module)
+        report.on_validation_end(trainer, module)
+        report.on_train_batch_end(trainer, module)
+        report.on_train_end(trainer, module)
+    assert logged == [("val/unreadable_images", 1.0)] * 2 + [("train/unreadable_images", 1.0)]
+    warned = re.findall(r"\w+ epoch \d+: skipped .*", caplog.text)
+    assert warned == ["val epoch 3: skipped 1 image that could not be decoded"]

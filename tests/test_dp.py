@@ -136,3 +136,20 @@ def test_dp_splits_the_rows_over_the_devices_in_evaluation_and_prediction_too(st
     model.net.register_forward_pre_hook(lambda _, args: rows.append(len(args[0].patches)))
     getattr(dp_trainer(), stage)(model, DataLoader([make_batch()], batch_size=None))
     assert rows == [2, 2]
+
+
+def test_replicas_run_under_the_callers_grad_mode():
+    """An evaluation's replicas would otherwise keep a graph of every share's activations."""
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, share: PackedBatch) -> torch.Tensor:
+            seen.append(torch.is_grad_enabled())
+            return share.labels.float()
+
+    shares = split_rows(make_batch(), [torch.device("cpu")] * 2)
+    with torch.no_grad():
+        apply_replicas([Probe(), Probe()], shares, [torch.device("cpu")] * 2)
+    assert seen == [False, False]
+    apply_replicas([Probe(), Probe()], shares, [torch.device("cpu")] * 2)
+    assert seen == [False, False, True, True]

@@ -569,3 +569,56 @@ def test_a_synced_batchnorm_head_in_a_world_of_one_rank_trains_on_one_image(tmp_
     finally:
         dist.destroy_process_group()
     assert logits.shape == (1, 3) and torch.isfinite(logits).all()
+
+
+def test_a_stop_inside_a_fit_validation_leaves_the_trained_weights_in_the_model():
+    """The average is swapped in for a validation: an error or Ctrl-C there would leave it in
+    the model, and the save on the stop would write it as the trained weights."""
+    from navit_lightning.utils.callbacks import EMAWeights
+
+    class StopInValidation(L.Callback):  # before EMAWeights: it sees the trained weights
+        def on_validation_epoch_start(self, trainer, pl_module) -> None:
+            self.trained = {name: value.clone() for name, value in pl_module.state_dict().items()}
+
+        def on_validation_batch_end(self, *args: Any) -> None:
+            raise RuntimeError("stopped in a validation")
+
+    model, loader = make_model("linear"), DataLoader([make_batch()] * 3, batch_size=None)
+    stop, ema = StopInValidation(), EMAWeights(decay=0.5)
+    trainer = bare_trainer(max_epochs=1, num_sanity_val_steps=0, callbacks=[stop, ema])
+    with pytest.raises(RuntimeError, match="stopped in a validation"):
+        trainer.fit(model, loader, loader)
+    average = ema._average_model.module.state_dict()
+    assert not all(torch.equal(average[name], value) for name, value in stop.trained.items())
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, stop.trained[name], atol=0, rtol=0, msg=name)
+    assert not ema.average_in_model
+
+
+def test_the_average_takes_the_trained_weights_from_a_checkpoint_in_fit_only():
+    """After fit, train.py tests the best checkpoint: its state_dict (the average), which
+    eval.py tests too, not the trained weights saved beside it for a resume."""
+    from unittest.mock import MagicMock
+
+    from navit_lightning.utils.callbacks import EMAWeights
+
+    checkpoint = {"state_dict": {}, "current_model_state": {"w": 1}, "averaging_state": {}}
+    for fn, loaded in ((TrainerFn.TESTING, False), (TrainerFn.FITTING, True)):
+        ema, module = EMAWeights(), MagicMock()
+        ema._average_model = MagicMock()  # as its setup in a fit made it
+        ema.on_load_checkpoint(SimpleNamespace(state=SimpleNamespace(fn=fn)), module, checkpoint)
+        assert module.load_state_dict.called is loaded, fn
+
+
+def test_the_rank_step_report_gives_each_ranks_batch_count_in_its_own_place(monkeypatch):
+    from navit_lightning.utils import callbacks
+
+    reported = []
+    monkeypatch.setattr(callbacks, "rank_zero_info", reported.append)
+    report = callbacks.RankStepReport()
+    summed = SimpleNamespace(reduce=lambda counts, reduce_op: counts)  # the other ranks' counts: 0
+    trainer = SimpleNamespace(world_size=3, global_rank=1, strategy=summed)
+    for _ in range(4):
+        report.on_train_batch_end(trainer)
+    report.on_train_end(trainer, SimpleNamespace(device=torch.device("cpu")))
+    assert reported == ["training batches per rank: [0, 4, 0] (world size 3)"]

@@ -1,20 +1,32 @@
 """Pictures in TensorBoard: what a short default run shows, and that a packed batch is drawn
 from exactly its images."""
 
+import contextlib
 import re
+from types import SimpleNamespace
+from unittest.mock import MagicMock
 
 import numpy as np
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
 from omegaconf import open_dict
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from navit_lightning.batch import PackedShape
+from navit_lightning.batch import PackedBatch, PackedShape, image_index
 from navit_lightning.data.packing import pack
 from navit_lightning.data.transforms import image_to_sample
-from navit_lightning.pictures import confusion_figure, packed_batch_figure, predictions_figure, unpack_images
+from navit_lightning.pictures import (
+    LogPictures,
+    confusion_figure,
+    log_figure,
+    packed_batch_figure,
+    predictions_figure,
+    unpack_images,
+)
 from navit_lightning.train import build
 from tests.conftest import TINY_RUN, logged_scalars, run_folder
 from tests.test_configs import compose_train
@@ -31,7 +43,11 @@ def test_unpacked_images_are_the_packed_ones_pixel_for_pixel():
     assert sorted(order) == [0, 1, 2]
     for label, image in zip(order, unpacked, strict=True):
         np.testing.assert_array_equal(image, pictures[label])
-    assert len(packed_batch_figure(batch, 8).axes) == 2
+    figure = packed_batch_figure(batch, 8)
+    assert len(figure.axes) == 2
+    for axes, row in zip(figure.axes, unpack_images(batch, 8), strict=True):  # each row's fill
+        used = sum(image.shape[0] * image.shape[1] for image in row) // 8**2
+        assert f"{len(row)} images, {used} of 16 tokens" in axes.get_title(loc="left")
 
 
 @pytest.mark.slow
@@ -105,3 +121,74 @@ def test_class_names_are_drawn_as_written():
         FigureCanvasAgg(figure).draw()
     assert predictions.axes[0].get_title() == "\\$5_\\$10\n(true: under_\\$5)"  # drawn as $5_$10
     assert predictions.axes[1].get_title().startswith("caf?\n")
+
+
+def three_images_in_a_batch() -> tuple[list[np.ndarray], PackedBatch]:
+    rng = np.random.default_rng(0)
+    pictures = [rng.integers(0, 256, (h * 8, w * 8, 3), dtype=np.uint8) for h, w in [(2, 5), (4, 1), (3, 3)]]
+    samples = [image_to_sample(Image.fromarray(p), label, 8, 64) for label, p in enumerate(pictures)]
+    return pictures, pack(samples, PackedShape(rows=2, row_len=16, max_images=4), 8 * 8 * 3)
+
+
+class Guesser:
+    """A module that predicts the true class of its first image and a wrong one for the rest."""
+
+    net = SimpleNamespace(patch_size=8)
+
+    def __call__(self, batch: PackedBatch, index: torch.Tensor) -> torch.Tensor:
+        true = batch.labels.flatten()[index]
+        return torch.nn.functional.one_hot((true + (torch.arange(len(index)) > 0)) % 3, 3).float()
+
+
+def test_validation_pictures_title_the_first_images_with_their_predicted_and_true_class(monkeypatch):
+    pictures, batch = three_images_in_a_batch()
+    drawn = []
+    monkeypatch.setattr(
+        "navit_lightning.pictures.log_figure",
+        lambda loggers, tag, figure, step: drawn.append((tag, figure, step)),
+    )
+    trainer = SimpleNamespace(
+        is_global_zero=True,
+        loggers=[object()],
+        sanity_checking=True,
+        precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext),
+        datamodule=SimpleNamespace(class_names=lambda: ["a", "b", "c"]),
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(_batches_that_stepped=7)),
+        global_step=8,
+    )
+    callback = LogPictures(images=2)
+    callback.setup(trainer, Guesser(), "fit")
+    callback.on_validation_batch_end(trainer, Guesser(), None, batch, 0)  # the sanity check's
+    trainer.sanity_checking = False
+    callback.on_validation_batch_end(trainer, Guesser(), None, batch, 1)  # not the first batch
+    callback.on_validation_batch_end(trainer, Guesser(), None, batch, 0)
+    ((tag, figure, step),) = drawn
+    assert tag == "pictures/val_predictions" and step == 7  # the step of the validation's scalars
+    true = batch.labels.flatten()[image_index(batch)].tolist()
+    assert len(figure.axes) == 2  # LogPictures(images=2)
+    for axes, label, (guess, colour) in zip(
+        figure.axes, true[:2], [(true[0], "green"), ((true[1] + 1) % 3, "red")], strict=True
+    ):
+        assert (
+            axes.get_title() == f"{'abc'[guess]}\n(true: {'abc'[label]})" and axes.title.get_color() == colour
+        )
+        np.testing.assert_array_equal(axes.images[0].get_array(), pictures[label])
+
+
+def test_predictions_take_as_many_rows_as_their_images_need():
+    images = [np.zeros((8, 8, 3), np.uint8)] * 7
+    assert len(predictions_figure(images, ["a"] * 7, ["a"] * 7, columns=6).axes) == 7
+
+
+def test_each_logger_that_shows_pictures_gets_the_figure_at_its_step():
+    """MLflow keeps one artifact per file name: each step's figure needs its own."""
+    tensorboard, mlflow, wandb = (
+        MagicMock(spec=kind) for kind in (TensorBoardLogger, MLFlowLogger, WandbLogger)
+    )
+    figure = Figure()
+    log_figure([tensorboard, mlflow, wandb, MagicMock(spec=CSVLogger)], "pictures/x", figure, 5)
+    tensorboard.experiment.add_figure.assert_called_once_with(
+        "pictures/x", figure, global_step=5, close=False
+    )
+    mlflow.experiment.log_figure.assert_called_once_with(mlflow.run_id, figure, "pictures/x_5.png")
+    wandb.log_image.assert_called_once_with(key="pictures/x", images=[figure], step=5)
