@@ -125,8 +125,8 @@ def as_run_here(command: str, run: str, images: Path) -> tuple[str, Path | None]
         return f"{sys.executable} -c 'import hydra_plugins.hydra_submitit_launcher.submitit_launcher'", None
     if filled == "make train":
         return f"make train ARGS={shlex.quote(shrink)}", REPO
-    if filled == "make test":  # one quick test file: the suite is what runs this
-        return "make test ARGS=tests/test_packing.py", REPO
+    if filled == "make test":  # one quick test file in one process: the suite is what runs this
+        return "make test TEST_WORKERS=0 ARGS=tests/test_packing.py", REPO
     if filled.startswith(".venv/bin/python -m pytest"):
         return f"{filled} tests/test_packing.py", REPO
     if filled == "make lint":
