@@ -207,3 +207,44 @@ def test_a_failed_job_closes_its_loggers_as_failed():
         logger.finalize.assert_called_once_with("failed")
         logger.log_metrics.assert_not_called()  # nothing final to log
     wandb_logger.experiment.finish.assert_called_once_with(exit_code=1)
+
+
+def test_mlflow_logger_reopens_its_finished_run_and_takes_the_newest_of_its_folder(tmp_path):
+    """A resumed run's MLflow run showed FINISHED while it trained; of two runs of one folder
+    (started by a version before this logger), the newest goes on; a run_id given is kept."""
+    mlflow = pytest.importorskip("mlflow")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = mlflow.MlflowClient(uri)
+
+    def logger(run_dir: str, **kwargs) -> ResumableMLFlowLogger:
+        return ResumableMLFlowLogger("train", tracking_uri=uri, tags={"run_dir": run_dir}, **kwargs)
+
+    first = logger("/runs/a")
+    run_id = first.run_id  # the run starts here
+    first.finalize("success")
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert logger("/runs/a").run_id == run_id
+    assert client.get_run(run_id).info.status == "RUNNING"
+
+    experiment = client.get_experiment_by_name("train").experiment_id
+    old, new = (
+        client.create_run(experiment, start_time=t, tags={"run_dir": "/runs/b"}) for t in (1000, 2000)
+    )
+    assert logger("/runs/b").run_id == new.info.run_id
+    assert logger("/runs/b", run_id=old.info.run_id).run_id == old.info.run_id
+
+
+def test_mlflow_logger_keeps_a_params_first_value_and_adds_new_ones(tmp_path):
+    """MLflow refuses to change a param: the changed one is left out, the others logged."""
+    mlflow = pytest.importorskip("mlflow")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+
+    def logger() -> ResumableMLFlowLogger:
+        return ResumableMLFlowLogger("train", tracking_uri=uri, tags={"run_dir": "/runs/a"})
+
+    first = logger()
+    first.log_hyperparams({"trainer": {"max_epochs": 1}, "seed": 42})
+    resumed = logger()
+    resumed.log_hyperparams({"trainer": {"max_epochs": 2}, "seed": 42, "ckpt_path": "last"})
+    params = mlflow.MlflowClient(uri).get_run(first.run_id).data.params
+    assert params == {"trainer/max_epochs": "1", "seed": "42", "ckpt_path": "last"}

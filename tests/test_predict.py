@@ -13,6 +13,7 @@ from PIL import Image
 
 from navit_lightning.data.folder import image_files_under
 from navit_lightning.data.shapes import CLASSES
+from navit_lightning.errors import DataError
 from navit_lightning.predict import PredictionWriter
 from tests.conftest import DDP_TWO_RANKS, TINY_RUN, TINY_SET, run_folder
 from tests.test_bad_input import make_messy_folder
@@ -218,3 +219,48 @@ def test_the_csv_lists_at_most_every_class_most_probable_first_in_input_order(tm
         ["a.png", "x", "0.700000", "z", "0.200000", "y", "0.100000"],
         ["b.png", "y", "0.500000", "z", "0.300000", "x", "0.200000"],
     ]
+
+
+def fake_trainer(rank: int, world_size: int, barriers: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(
+        global_rank=rank,
+        world_size=world_size,
+        is_global_zero=rank == 0,
+        strategy=SimpleNamespace(barrier=lambda: barriers.append(rank)),
+    )
+
+
+def test_two_ranks_parts_merge_in_input_order_and_are_removed(tmp_path):
+    """Rank zero merges every rank's part after the barrier, by input number (10 after 2)."""
+    paths = [Path(f"{i}.png") for i in range(12)]
+    barriers = []
+    shares = {1: [1, 11, 3], 0: [10, 2, 0]}  # rank 1 ends first, as it may
+    for rank, numbers in shares.items():
+        writer = PredictionWriter(tmp_path / "predictions.csv", paths, ["x", "y"], 1)
+        trainer = fake_trainer(rank, 2, barriers)
+        writer.on_predict_start(trainer, None)
+        probabilities = torch.tensor([[0.9, 0.1]] * len(numbers))
+        writer.write_on_batch_end(trainer, None, (torch.tensor(numbers), probabilities))
+        writer.on_predict_end(trainer, None)
+    assert sorted(barriers) == [0, 1]
+    assert [p.name for p in tmp_path.iterdir()] == ["predictions.csv"]  # no part left
+    with open(tmp_path / "predictions.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert [row["path"] for row in rows] == ["0.png", "1.png", "2.png", "3.png", "10.png", "11.png"]
+
+
+def test_a_failed_or_empty_prediction_leaves_no_csv_and_no_part(tmp_path):
+    """No image decoded: refused, not an empty CSV; a run failing midway leaves no part."""
+    paths = [Path("a.png"), Path("b.png")]
+    trainer = fake_trainer(0, 1, [])
+    writer = PredictionWriter(tmp_path / "predictions.csv", paths, ["x", "y"], 1)
+    writer.on_predict_start(trainer, None)
+    with pytest.raises(DataError, match=r"none of the 2 input file\(s\) could be decoded"):
+        writer.on_predict_end(trainer, None)
+    assert list(tmp_path.iterdir()) == []
+
+    failing = PredictionWriter(tmp_path / "predictions.csv", paths, ["x", "y"], 1)
+    failing.on_predict_start(trainer, None)
+    failing.write_on_batch_end(trainer, None, (torch.tensor([0]), torch.tensor([[0.9, 0.1]])))
+    failing.on_exception(trainer, None, RuntimeError("out of memory"))
+    assert list(tmp_path.iterdir()) == []

@@ -1,6 +1,8 @@
 import json
+import random
 import subprocess
 import sys
+import threading
 from dataclasses import asdict
 from pathlib import Path
 
@@ -8,7 +10,7 @@ import pytest
 from PIL import Image
 
 from navit_lightning.data import shapes
-from navit_lightning.errors import DataError
+from navit_lightning.errors import ConfigError, DataError
 
 TINY = shapes.ShapesSpec(num_train=6, num_val=6, num_test=6)
 
@@ -107,3 +109,68 @@ def test_a_moved_runs_built_in_data_is_read_in_this_data_dir_unless_another_set_
         shapes.root_for_run(str(here / "shapes"), str(here), default)
     # and a run of the tiny set that read data/shapes finds its images there still
     assert shapes.root_for_run(str(here / "shapes"), str(here), spec) == str(here / "shapes")
+
+
+def test_splits_draw_other_images_and_shapes_come_wide_and_tall(tmp_path):
+    """Each split's image i has its own seed: val and test are not copies of train's."""
+    root = shapes.generate(tmp_path, TINY, workers=1)
+    for name in ("000000.png", "000001.jpg"):
+        images = [next((root / split).rglob(name)).read_bytes() for split in ("train", "val", "test")]
+        assert len(set(images)) == 3, name
+    spec = shapes.ShapesSpec(num_train=30, num_val=6, num_test=6, max_aspect=3.0)
+    sizes = [shapes.render(i % 6, random.Random(i), spec).size for i in range(30)]
+    assert any(width > height for width, height in sizes) and any(width < height for width, height in sizes)
+
+
+def test_an_interrupted_replacement_leaves_no_finished_marker(tmp_path, monkeypatch):
+    """The old spec's marker over half-replaced images: a run of that spec took the mix as its set."""
+    shapes.generate(tmp_path, TINY, workers=1)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shapes, "map_with_progress", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        shapes.generate(tmp_path, shapes.ShapesSpec(num_train=6, num_val=6, num_test=6, seed=1), workers=1)
+    assert shapes.made_here(tmp_path) is None
+
+
+def test_a_process_that_waited_for_the_lock_does_not_write_the_set_again(tmp_path, monkeypatch):
+    """The set another process finished while this one waited is read as it is, not rewritten
+    under whatever reads it already."""
+    from filelock import FileLock
+
+    writes, waiting_for_the_lock = [], threading.Event()
+    write_set = shapes._write_set
+    monkeypatch.setattr(shapes, "_write_set", lambda *args: writes.append(args))
+    monkeypatch.setattr(shapes.log, "info", lambda *args: waiting_for_the_lock.set())
+    lock = FileLock(tmp_path / shapes.LOCK_NAME)
+    lock.acquire()
+    waiting = threading.Thread(target=shapes.generate, args=(tmp_path, TINY, 1))
+    waiting.start()
+    assert waiting_for_the_lock.wait(timeout=60)  # it found no finished set
+    write_set(tmp_path, TINY, 1)  # the other process
+    lock.release()
+    waiting.join(timeout=60)
+    assert not waiting.is_alive() and writes == []
+
+
+def test_the_spec_takes_equal_bounds_and_refuses_a_bool_aspect():
+    shapes.ShapesSpec(min_side=64, max_side=64, max_aspect=1)  # one size, square images: allowed
+    with pytest.raises(ConfigError, match="max_aspect=True must be 1 or above"):
+        shapes.ShapesSpec(max_aspect=True)
+
+
+def test_an_aspect_given_as_a_whole_number_names_the_same_folder():
+    """data.generate.max_aspect=3 and 3.0 make the same images: one folder, not two copies."""
+    assert shapes.folder_name({"max_aspect": 3}) == shapes.folder_name({"max_aspect": 3.0}) != "shapes"
+
+
+def test_a_users_file_named_by_a_number_is_not_taken_for_a_generated_one(tmp_path):
+    """Only NNNNNN.png/.jpg is the generator's: a user's train/circle/12.png was deleted."""
+    mine = tmp_path / "train" / "circle" / "12.png"
+    mine.parent.mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(mine)
+    with pytest.raises(DataError, match="did not write"):
+        shapes.generate(tmp_path, TINY, workers=1)
+    assert mine.exists()

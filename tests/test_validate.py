@@ -10,6 +10,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import InstantiationException
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.demos.boring_classes import BoringModel
 from torch.multiprocessing.spawn import ProcessRaisedException
 
@@ -370,6 +371,22 @@ def test_a_setting_lightning_refuses_when_the_fit_starts_says_which_in_one_line(
     with pytest.raises(ValueError) as ours:
         raise ValueError("`val_check_interval` (1000) is not Lightning's")
     assert refusal(ours.value) is None
+
+
+def test_lightning_refusing_a_trainer_argument_by_misconfiguration_is_one_line_and_no_other_name_is():
+    """Lightning raises MisconfigurationException as well as ValueError for a Trainer argument;
+    a name in backquotes that no Trainer argument has (a hook) keeps its traceback."""
+    from lightning.pytorch.core.hooks import DataHooks
+    from lightning.pytorch.loops.fit_loop import _FitLoop
+
+    with pytest.raises(MisconfigurationException) as raised:
+        _FitLoop(None, max_epochs=-2)
+    assert refusal(raised.value) == (
+        "trainer.max_epochs: `max_epochs` must be a non-negative integer or -1. You passed in -2."
+    )
+    with pytest.raises(MisconfigurationException) as hook:
+        DataHooks().train_dataloader()
+    assert refusal(hook.value) is None
 
 
 def test_a_ddp_spawn_ranks_refusal_reaches_the_launching_process_as_its_line():
