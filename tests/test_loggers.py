@@ -7,6 +7,7 @@ import re
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 from unittest.mock import MagicMock
 
 import pytest
@@ -99,21 +100,27 @@ def test_mlflow_logger_keeps_runs_in_one_local_database_and_a_resumed_run_goes_o
     )
 
 
-def test_mlflow_logger_goes_on_with_the_run_of_its_own_folder_alone(tmp_path):
+def mlflow_logger(uri: str, run_dir: str, **kwargs: Any) -> ResumableMLFlowLogger:
+    return ResumableMLFlowLogger("train", tracking_uri=uri, tags={"run_dir": run_dir}, **kwargs)
+
+
+def test_mlflow_logger_goes_on_with_its_folders_run_when_resumed_from_that_folder_alone(tmp_path):
+    """A resume from the folder's own checkpoint (ckpt_path=last, a file in it) takes up the
+    folder's run; a fresh start there, or another folder's checkpoint (eval.py's), starts one."""
     mlflow = pytest.importorskip("mlflow")
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-
-    def logger(run_dir: str) -> ResumableMLFlowLogger:
-        return ResumableMLFlowLogger("train", tracking_uri=uri, tags={"run_dir": run_dir})
-
-    first = {run_dir: logger(run_dir).run_id for run_dir in ("/runs/a", "/runs/b", "/runs/it's")}
+    folders = ("/runs/a", "/runs/b", "/runs/it's")
+    first = {run_dir: mlflow_logger(uri, run_dir).run_id for run_dir in folders}
     assert len(set(first.values())) == 3
-    again = {run_dir: logger(run_dir).run_id for run_dir in first}
-    assert again == first
-    client = mlflow.MlflowClient(uri)
-    assert {client.get_run(run_id).info.status for run_id in again.values()} == {"RUNNING"}
-    client.delete_run(first["/runs/a"])  # a deleted run is not taken up again
-    assert logger("/runs/a").run_id not in first.values()
+    assert {run_dir: mlflow_logger(uri, run_dir, resume_from="last").run_id for run_dir in folders} == first
+    assert (
+        mlflow_logger(uri, "/runs/a", resume_from="/runs/a/checkpoints/epoch_000.ckpt").run_id
+        == first["/runs/a"]
+    )
+    for fresh in (None, "/runs/b/checkpoints/last.ckpt"):
+        assert mlflow_logger(uri, "/runs/a", resume_from=fresh).run_id not in first.values()
+    mlflow.MlflowClient(uri).delete_run(first["/runs/b"])  # a deleted run is not taken up again
+    assert mlflow_logger(uri, "/runs/b", resume_from="last").run_id not in first.values()
 
 
 def test_wandb_logger_writes_an_offline_run_into_each_jobs_folder(run_entry_point, tmp_path_factory):
@@ -210,41 +217,43 @@ def test_a_failed_job_closes_its_loggers_as_failed():
 
 
 def test_mlflow_logger_reopens_its_finished_run_and_takes_the_newest_of_its_folder(tmp_path):
-    """A resumed run's MLflow run showed FINISHED while it trained; of two runs of one folder
-    (started by a version before this logger), the newest goes on; a run_id given is kept."""
+    """A resumed run's MLflow run showed FINISHED while it trained; one refused before it logged
+    a metric (another network, a val_check_interval past the batches) keeps its status; of two
+    runs of one folder (started by a version before this logger), the newest goes on; a run_id
+    given is kept."""
     mlflow = pytest.importorskip("mlflow")
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = mlflow.MlflowClient(uri)
 
-    def logger(run_dir: str, **kwargs) -> ResumableMLFlowLogger:
-        return ResumableMLFlowLogger("train", tracking_uri=uri, tags={"run_dir": run_dir}, **kwargs)
-
-    first = logger("/runs/a")
+    first = mlflow_logger(uri, "/runs/a")
     run_id = first.run_id  # the run starts here
     first.finalize("success")
+    refused = mlflow_logger(uri, "/runs/a", resume_from="last")
+    assert refused.run_id == run_id
+    refused.finalize("failed")
     assert client.get_run(run_id).info.status == "FINISHED"
-    assert logger("/runs/a").run_id == run_id
-    assert client.get_run(run_id).info.status == "RUNNING"
+    resumed = mlflow_logger(uri, "/runs/a", resume_from="last")
+    resumed.log_metrics({"val/acc": 0.5}, step=3)
+    assert resumed.run_id == run_id and client.get_run(run_id).info.status == "RUNNING"
+    resumed.finalize("success")
+    assert client.get_run(run_id).info.status == "FINISHED"
 
     experiment = client.get_experiment_by_name("train").experiment_id
     old, new = (
         client.create_run(experiment, start_time=t, tags={"run_dir": "/runs/b"}) for t in (1000, 2000)
     )
-    assert logger("/runs/b").run_id == new.info.run_id
-    assert logger("/runs/b", run_id=old.info.run_id).run_id == old.info.run_id
+    assert mlflow_logger(uri, "/runs/b", resume_from="last").run_id == new.info.run_id
+    given = mlflow_logger(uri, "/runs/b", resume_from="last", run_id=old.info.run_id)
+    assert given.run_id == old.info.run_id
 
 
 def test_mlflow_logger_keeps_a_params_first_value_and_adds_new_ones(tmp_path):
     """MLflow refuses to change a param: the changed one is left out, the others logged."""
     mlflow = pytest.importorskip("mlflow")
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-
-    def logger() -> ResumableMLFlowLogger:
-        return ResumableMLFlowLogger("train", tracking_uri=uri, tags={"run_dir": "/runs/a"})
-
-    first = logger()
+    first = mlflow_logger(uri, "/runs/a")
     first.log_hyperparams({"trainer": {"max_epochs": 1}, "seed": 42})
-    resumed = logger()
+    resumed = mlflow_logger(uri, "/runs/a", resume_from="last")
     resumed.log_hyperparams({"trainer": {"max_epochs": 2}, "seed": 42, "ckpt_path": "last"})
     params = mlflow.MlflowClient(uri).get_run(first.run_id).data.params
     assert params == {"trainer/max_epochs": "1", "seed": "42", "ckpt_path": "last"}

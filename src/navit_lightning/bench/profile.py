@@ -31,9 +31,8 @@ PARTS: dict[str, tuple[str, ...]] = {
 }
 OPTIMIZER = "optimizer (AdamW step, zero_grad)"
 # inductor runs its fused kernels outside aten ops: on a CPU inside the compiled graph's call,
-# on CUDA each triton launch under its kernel's name. Its matmuls stay aten ops (extern kernels),
-# and flex attention's kernels are counted here.
-COMPILED = "compiled kernels (inductor's fused ops)"
+# on CUDA each triton launch under its kernel's name. Its matmuls stay aten ops (extern kernels).
+COMPILED = "compiled kernels (inductor's fused ops, flex attention's)"
 COMPILED_NAMES = ("## Call CompiledFxGraph", "triton")
 OTHER = "other elementwise and reductions"
 UNACCOUNTED = {"cpu": "Python, autograd engine, dispatch (no op)", "cuda": "GPU idle (no kernel)"}

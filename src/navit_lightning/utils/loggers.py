@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import csv
 from argparse import Namespace
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
@@ -14,6 +15,8 @@ from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+
+from navit_lightning.utils.instantiate import absolute_path
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -46,33 +49,66 @@ class ResumableCSVLogger(CSVLogger):
 
 class ResumableMLFlowLogger(MLFlowLogger):
     """An MLFlowLogger that goes on with the MLflow run already logging its run folder (the
-    run whose `run_dir` tag is this one's: a resumed run, a requeued SLURM job), as TensorBoard
-    and CSV go on in the folder's files, where Lightning's starts another run. MLflow keeps a
-    param's first value: a setting changed since (trainer.max_epochs=16 on resume) keeps it
-    there, and a line says so."""
+    run whose `run_dir` tag is this one's) when the command resumes from that folder's own
+    checkpoint (`resume_from`: ckpt_path=last, a requeued SLURM job), as TensorBoard and CSV go
+    on in the folder's files, where Lightning's starts another run. A fresh start in a reused
+    folder, or an evaluation of another run's checkpoint, starts a run of its own. MLflow keeps
+    a param's first value: a setting changed since (trainer.max_epochs=16 on resume) keeps it
+    there, and a line says so. A run taken up and refused before it logged a metric keeps its
+    status."""
+
+    def __init__(self, *args: Any, resume_from: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._resume_from = resume_from
+        self._taken_up = False  # an earlier run, to which this start has logged no metric yet
 
     @property
     @rank_zero_experiment
     def experiment(self) -> MlflowClient:
-        if not self._initialized and self._run_id is None and (self.tags or {}).get("run_dir"):
+        if not self._initialized and self._run_id is None and self._resumes_its_folder():
             self._run_id = self._run_logging(str(self.tags["run_dir"]))
-            if self._run_id is not None:
-                self._mlflow_client.update_run(self._run_id, status="RUNNING")
+            self._taken_up = self._run_id is not None
         return super().experiment
+
+    def _resumes_its_folder(self) -> bool:
+        run_dir = (self.tags or {}).get("run_dir")
+        if not run_dir or not self._resume_from:
+            return False
+        if self._resume_from == "last":
+            return True
+        return Path(absolute_path(run_dir)) in Path(absolute_path(self._resume_from)).parents
 
     def _run_logging(self, run_dir: str) -> str | None:
         """The newest active run of this logger's experiment tagged with `run_dir`."""
+        from mlflow.exceptions import MlflowException
+
         experiment = self._mlflow_client.get_experiment_by_name(self._experiment_name)
         if experiment is None or experiment.lifecycle_stage == "deleted":
             return None
         quote = '"' if "'" in run_dir else "'"
-        runs = self._mlflow_client.search_runs(
-            [experiment.experiment_id],
-            filter_string=f"tags.run_dir = {quote}{run_dir}{quote}",
-            order_by=["attributes.start_time DESC"],
-            max_results=1,
-        )
+        try:
+            runs = self._mlflow_client.search_runs(
+                [experiment.experiment_id],
+                filter_string=f"tags.run_dir = {quote}{run_dir}{quote}",
+                order_by=["attributes.start_time DESC"],
+                max_results=1,
+            )
+        except MlflowException:  # a folder's name that MLflow's filter cannot quote: a new run
+            return None
         return runs[0].info.run_id if runs else None
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        client = self.experiment  # which takes the folder's run up, where one goes on
+        if self._taken_up:
+            client.update_run(self.run_id, status="RUNNING")
+            self._taken_up = False
+        super().log_metrics(metrics, step)
+
+    @rank_zero_only
+    def finalize(self, status: str = "success") -> None:
+        if not self._taken_up:
+            super().finalize(status)
 
     @rank_zero_only
     def log_hyperparams(self, params: dict[str, Any] | Namespace) -> None:
