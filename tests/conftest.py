@@ -11,7 +11,9 @@ import sys
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
 from hydra.core.hydra_config import HydraConfig
 
@@ -44,6 +46,19 @@ TINY_TRAINING = [
 TINY_RUN = TINY_SHAPES + TINY_TRAINING
 # Two ddp ranks on the CPU, as the README runs them on a laptop.
 DDP_TWO_RANKS = ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
+
+
+def bare_trainer(**settings: Any) -> L.Trainer:
+    """A Trainer on the CPU with `settings` and nothing else: no logger, checkpoint, progress
+    bar or summary."""
+    return L.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **settings,
+    )
 
 
 def run_whole(command: str | list[str], *, timeout: float, **popen) -> subprocess.CompletedProcess:

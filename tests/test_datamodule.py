@@ -27,7 +27,7 @@ from navit_lightning.data.index import StringTable
 from navit_lightning.data.sampler import SampleKey
 from navit_lightning.data.workers import WORKER_MODULES
 from navit_lightning.utils.shutdown import descendants
-from tests.conftest import REPO, TINY_RUN, TINY_SET
+from tests.conftest import REPO, TINY_RUN, TINY_SET, bare_trainer
 
 
 def test_train_and_val_folders_are_used_as_given(project_root):
@@ -395,16 +395,7 @@ def train_three_epochs(project_root: Path, num_workers: int, **trainer_options) 
     """Three epochs of RecordBatches on the tiny shapes set's packed batches, in this process."""
     datamodule = shapes_datamodule(project_root, hflip=0.0, num_workers=num_workers)
     model = RecordBatches()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_epochs=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        **trainer_options,
-    )
+    trainer = bare_trainer(max_epochs=3, use_distributed_sampler=False, **trainer_options)
     trainer.fit(model, datamodule=datamodule)
     return model
 

@@ -29,7 +29,7 @@ from navit_lightning.lit_module import (
 from navit_lightning.models import NaViT
 from navit_lightning.models.heads import BatchNormMlp
 from navit_lightning.utils.schedules import warmup_cosine
-from tests.conftest import TINY_SET
+from tests.conftest import TINY_SET, bare_trainer
 from tests.test_datamodule import shapes_datamodule
 from tests.test_model import SHAPE
 from tests.test_packing import PATCH_DIM, make_sample
@@ -335,19 +335,6 @@ def test_the_monitorable_metrics_are_those_a_fit_leaves_for_the_callbacks():
     trainer = bare_trainer(max_epochs=1, log_every_n_steps=1, num_sanity_val_steps=0)
     trainer.fit(model, loader, loader)
     assert set(trainer.callback_metrics) == model.monitorable_metrics()
-
-
-def bare_trainer(**settings: Any) -> L.Trainer:
-    """A Trainer on the CPU with `settings` and nothing else: no logger, checkpoint, progress
-    bar or summary."""
-    return L.Trainer(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **settings,
-    )
 
 
 def one_step_trainer(accumulate_grad_batches: int) -> L.Trainer:

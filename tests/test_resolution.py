@@ -14,8 +14,7 @@ from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.lit_module import BatchCounts
 from navit_lightning.models import NaViT
 from navit_lightning.resolution import EvalCounter, budgets_that_fit, label_and_path, main, read_results
-from tests.conftest import TINY_RUN, TINY_SET, TINY_SPEC, logged_scalars, run_folder
-from tests.test_lit_module import bare_trainer
+from tests.conftest import TINY_RUN, TINY_SET, TINY_SPEC, bare_trainer, logged_scalars, run_folder
 
 
 def accuracy_lines(output: str, split: str) -> dict[int, float]:

@@ -5,7 +5,6 @@ import re
 import traceback
 
 import hydra
-import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -21,7 +20,7 @@ from navit_lightning.predict import predict
 from navit_lightning.utils import validate
 from navit_lightning.utils.entry_point import refusal, refuse_null_groups
 from navit_lightning.utils.validate import check_launch
-from tests.conftest import TINY_RUN
+from tests.conftest import TINY_RUN, bare_trainer
 
 
 def config(*overrides: str):
@@ -354,14 +353,7 @@ def test_a_constructor_failing_otherwise_keeps_its_traceback():
 def test_a_setting_lightning_refuses_when_the_fit_starts_says_which_in_one_line(tmp_path):
     """Lightning checks val_check_interval against the batches of an epoch inside the fit; an
     error of the same form from other code keeps its traceback."""
-    trainer = L.Trainer(
-        val_check_interval=1000,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = bare_trainer(val_check_interval=1000, default_root_dir=tmp_path)
     with pytest.raises(ValueError) as raised:
         trainer.fit(BoringModel())
     assert refusal(raised.value).startswith(
