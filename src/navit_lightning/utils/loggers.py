@@ -47,6 +47,10 @@ class ResumableCSVLogger(CSVLogger):
         return self._experiment
 
 
+# ckpt_path, and this logger's setting that follows it
+RESUME_SETTINGS = ("ckpt_path", "resume_from")
+
+
 class ResumableMLFlowLogger(MLFlowLogger):
     """An MLFlowLogger that goes on with the MLflow run already logging its run folder (the
     run whose `run_dir` tag is this one's) when the command resumes from that folder's own
@@ -116,10 +120,12 @@ class ResumableMLFlowLogger(MLFlowLogger):
         given = {key: str(value)[:250] for key, value in _flatten_dict(_convert_params(params)).items()}
         kept = self.experiment.get_run(self.run_id).data.params
         changed = {key: value for key, value in given.items() if kept.get(key, value) != value}
-        if changed:
+        # every resume changes these: a line on them would say nothing
+        told = {key: value for key, value in changed.items() if key.rsplit("/", 1)[-1] not in RESUME_SETTINGS}
+        if told:
             rank_zero_info(
                 f"MLflow run {self.run_id} keeps the params it was started with: "
-                + ", ".join(f"{key}={kept[key]} (now {value})" for key, value in changed.items())
+                + ", ".join(f"{key}={kept[key]} (now {value})" for key, value in told.items())
             )
         super().log_hyperparams({key: value for key, value in given.items() if key not in changed})
 
