@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import lightning as L
 import torch
 import torch.distributed
 from hydra.core.hydra_config import HydraConfig
@@ -160,6 +161,15 @@ class _HydraLoggingSpawnLauncher(_MultiProcessingLauncher):
             if message is None:
                 raise
             raise ConfigError(message) from None
+
+    def get_extra_results(self, trainer: L.Trainer) -> dict[str, Any]:
+        return {**super().get_extra_results(trainer), "fit_loop": trainer.fit_loop.state_dict()}
+
+    def update_main_process_results(self, trainer: L.Trainer, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        # the launching process logs the test's metrics and hp/*, at the step
+        # its ranks trained to (they were at step 0)
+        trainer.fit_loop.load_state_dict(extra["fit_loop"])
 
 
 class HydraDDPStrategy(DDPStrategy):
