@@ -38,7 +38,7 @@ def assert_written_once_by_rank_zero(run, steps_per_rank: int | None = None, ran
     """One log file, written by rank 0 only, showing equal batch counts on every rank."""
     assert_run_folder(run)
     log = (run / "train.log").read_text()
-    assert "[rank: 1]" not in log and log.count("Config:") == 1
+    assert "[rank: 1]" not in log and "GLOBAL_RANK: 1" not in log and log.count("Config:") == 1
     counts = re.findall(r"training batches per rank: \[([\d, ]+)\]", log)
     assert len(counts) == 1, counts
     batches = {int(count) for count in counts[0].split(", ")}
@@ -64,6 +64,9 @@ def test_train_then_eval_reports_accuracy(run_entry_point):
     for noise in ("LeafSpec", "on_before_batch_transfer", "litlogger"):
         assert noise not in output, noise
     assert "could not be decoded" not in output  # every image decodes: no report of 0 skipped
+    # the test and the patch budgets evaluate the fit's best checkpoint, not its last weights
+    best = f"Loaded model weights from the checkpoint at {run}/checkpoints/epoch_000.ckpt"
+    assert output.count(best) == 2, output[-3000:]
 
     # The checkpoint alone says which network and data: no overrides needed.
     result = run_entry_point("eval.py", f"ckpt_path={run}/checkpoints/last.ckpt")
@@ -232,6 +235,10 @@ def test_ema_weights_are_saved_and_tested_as_eval_py_tests_them(run_entry_point)
     run_entry_point("eval.py", f"ckpt_path={best}")
     evaluation = run_folder(run_entry_point.root, "eval")
     assert logged_scalars(evaluation / "tensorboard")["test/loss"][-1][1] == pytest.approx(tested, rel=1e-5)
+    # and train=false, without callbacks=ema, tests it as eval.py does
+    retested = run_entry_point.root / "retested"
+    run_entry_point("train.py", *TINY_RUN, "train=false", f"ckpt_path={best}", f"hydra.run.dir={retested}")
+    assert logged_scalars(retested / "tensorboard")["test/loss"][-1][1] == pytest.approx(tested, rel=1e-5)
 
 
 def test_two_ddp_ranks_take_the_step_of_one_process_accumulating_their_two_batches(run_entry_point):

@@ -17,6 +17,7 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from navit_lightning.batch import PackedBatch, PackedShape, image_index
+from navit_lightning.data.datamodule import EFFECTIVE_BATCH_METRICS
 from navit_lightning.data.packing import pack
 from navit_lightning.data.transforms import image_to_sample
 from navit_lightning.pictures import (
@@ -83,11 +84,16 @@ def test_a_short_default_run_shows_pictures_and_hparams(run_entry_point):
 
 
 @pytest.mark.parametrize(
-    ("overrides", "declared"), [([], ["hp/test_acc", "hp/val_acc"]), (["test=false"], ["hp/val_acc"])]
+    ("overrides", "declared"),
+    [
+        ([], ["hp/test_acc", "hp/val_acc", *EFFECTIVE_BATCH_METRICS]),
+        (["test=false"], ["hp/val_acc", *EFFECTIVE_BATCH_METRICS]),
+        (["train=false", "ckpt_path=best"], ["hp/test_acc"]),
+    ],
 )
 def test_the_hparams_tab_declares_only_the_results_the_run_gives(tmp_path, project_root, overrides, declared):
     """A run without a test (Optuna's trials, debug=overfit) showed hp/test_acc at its
-    placeholder, 0.0, as its result."""
+    placeholder, 0.0, as its result; one that does not train has no effective batch."""
     cfg = compose_train(overrides, tmp_path, project_root)
     with open_dict(cfg):
         del cfg.hydra  # Hydra's own node, as a run's config holds none (set by compose_train)
@@ -96,7 +102,9 @@ def test_the_hparams_tab_declares_only_the_results_the_run_gives(tmp_path, proje
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     content = str(events.PluginTagToContent("hparams"))
-    assert [name for name in ("hp/test_acc", "hp/val_acc") if name in content] == declared
+    assert [
+        name for name in ("hp/test_acc", "hp/val_acc", *EFFECTIVE_BATCH_METRICS) if name in content
+    ] == declared
 
 
 def test_the_confusion_matrix_of_many_classes_is_a_picture_of_a_fixed_size():

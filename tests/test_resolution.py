@@ -3,6 +3,7 @@ and TensorBoard entries that agree with a plain evaluation."""
 
 import re
 from types import SimpleNamespace
+from unittest.mock import MagicMock, call
 
 import lightning as L
 import pytest
@@ -13,7 +14,15 @@ from navit_lightning import resolution
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.lit_module import BatchCounts
 from navit_lightning.models import NaViT
-from navit_lightning.resolution import EvalCounter, budgets_that_fit, label_and_path, main, read_results
+from navit_lightning.resolution import (
+    BudgetResult,
+    EvalCounter,
+    budgets_that_fit,
+    label_and_path,
+    main,
+    read_results,
+    report,
+)
 from tests.conftest import TINY_RUN, TINY_SET, TINY_SPEC, bare_trainer, logged_scalars, run_folder
 
 
@@ -92,6 +101,18 @@ def test_an_evaluations_seconds_span_its_first_batchs_start_to_its_last_batchs_e
         now[0] += 2.0
         counter.on_test_batch_end(None, module, None, None, batch_idx)
     assert max(logged["test/seconds"]) == 22.0 and logged["test/images"] == [3.0] * 3
+
+
+def test_the_report_logs_each_budgets_accuracy_and_patches_at_the_budget_and_writes_its_csv(tmp_path):
+    logger = MagicMock()
+    trainer = SimpleNamespace(is_global_zero=True, loggers=[logger], global_step=5)
+    results = [BudgetResult(9, 8.5, 0.5, 100.0), BudgetResult(36, 30.25, 0.75, 50.0)]
+    report(results, trainer, tmp_path / "run", "val")
+    assert logger.log_metrics.call_args_list == [
+        call({"resolution/acc": 0.5, "resolution/patches_per_image": 8.5}, step=9),
+        call({"resolution/acc": 0.75, "resolution/patches_per_image": 30.25}, step=36),
+    ]
+    assert read_results(tmp_path / "run" / "resolution_accuracy.csv") == results
 
 
 class CountedBatches(L.LightningModule):
@@ -230,5 +251,8 @@ def test_curves_of_several_runs_in_one_figure(tmp_path):
     (tmp_path / "other.csv").write_text("epoch,loss\n1,0.5\n")
     with pytest.raises(SystemExit):  # a KeyError traceback
         main([str(tmp_path / "other.csv"), "--out", str(tmp_path / "x.png")])
+    (tmp_path / "unfinished.csv").write_text(rows.replace("0.98", "n/a"))
+    with pytest.raises(SystemExit):  # a ValueError traceback
+        main([str(tmp_path / "unfinished.csv"), "--out", str(tmp_path / "x.png")])
     main([str(swept), "--out", str(tmp_path / "new" / "folder" / "one.png")])  # made, not a traceback
     assert (tmp_path / "new" / "folder" / "one.png").is_file()

@@ -176,6 +176,8 @@ def test_allowed(monkeypatch, gpus, overrides):
         (["trainer.strategy=ddp_spawn", "trainer.devices=2"], False),  # ranks started in-process
         (["trainer.strategy=ddp_fork", "trainer.devices=2"], False),
         (["trainer.devices=1"], False),
+        (["trainer.strategy=ddp", "trainer.num_nodes=2"], True),
+        (["strategy=ddp", "trainer.num_nodes=2"], False),
     ],
 )
 def test_a_sweep_refuses_ranks_that_would_start_as_the_whole_sweep(monkeypatch, overrides, refused):
@@ -188,6 +190,14 @@ def test_a_sweep_refuses_ranks_that_would_start_as_the_whole_sweep(monkeypatch, 
             validate.check_sweep_launch(trainer, 1)
     else:
         validate.check_sweep_launch(trainer, 1)
+
+
+@pytest.mark.parametrize(
+    ("devices", "count"),
+    [(3, 3), (-1, 4), ("-1", 4), ("auto", 4), ("2", 2), ("0,1", 2), ("0,1,", 2), ([0, 1], 2), ("x", 1)],
+)
+def test_devices_are_counted_as_lightning_reads_them(devices, count):
+    assert validate.device_count(devices, 4) == count
 
 
 # What torchrun sets in each process, but the number of processes, WORLD_SIZE.
@@ -244,6 +254,17 @@ def test_a_sweeps_ranks_that_srun_started_are_no_sweep_of_lightnings_launcher(mo
     launched_by(monkeypatch, {"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train"})
     trainer = config("trainer.accelerator=cpu", "trainer.strategy=ddp", "trainer.devices=2").trainer
     validate.check_sweep_launch(trainer, 1)
+
+
+def test_a_cpu_run_on_a_gpu_host_is_one_device_to_sweeps_and_launchers(monkeypatch):
+    """trainer.devices=auto on CPU is one process, however many GPUs are visible."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    on_cpu = ["trainer.accelerator=cpu", "trainer.devices=auto"]
+    monkeypatch.setattr(validate, "in_sweep", lambda: True)
+    check_launch(config(*on_cpu, "trainer.strategy=ddp"))
+    monkeypatch.setattr(validate, "in_sweep", lambda: False)
+    launched_by(monkeypatch, TORCHRUN | {"WORLD_SIZE": "1"})
+    check_launch(config(*on_cpu, "strategy=ddp"))
 
 
 def test_a_sweep_of_several_processes_under_torchrun_is_refused(monkeypatch):
