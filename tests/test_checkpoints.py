@@ -342,6 +342,15 @@ def test_an_error_or_a_signal_mid_epoch_leaves_last_ckpt_at_that_step(run_entry_
     assert "not handled within" not in output
     assert result.returncode == (128 + signal.SIGTERM if how == "sigterm" else 1)
     assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt"]  # written once, nothing else
+    if ranks:  # a resume would need two ranks; a test of its weights takes any number
+        tested = run_entry_point(
+            "train.py",
+            *TINY_RUN,
+            "train=false",
+            f"ckpt_path={checkpoints / 'last.ckpt'}",
+            "patch_budgets=null",
+        )
+        assert re.search(r"test/acc\s+│\s+[0-9.]+", tested.stdout)
 
 
 def test_slurms_requeue_signal_stops_the_run_saves_and_requeues_the_job(run_entry_point):
