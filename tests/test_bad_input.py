@@ -97,6 +97,19 @@ def test_every_mode_becomes_8_bit_rgb(image, pixel):
     assert rgb.mode == "RGB" and rgb.getpixel((0, 0)) == pixel
 
 
+def test_a_16_bit_pngs_transparent_grey_becomes_white_and_only_it():
+    """Its tRNS value is a 16-bit grey: matched against the 8-bit values it whitened other
+    pixels and left itself black."""
+    grey = np.full((4, 4), 30000, np.uint16)
+    grey[:2] = 117
+    file = io.BytesIO()
+    Image.fromarray(grey).save(file, "PNG", transparency=117)
+    with Image.open(file) as image:
+        assert image.mode.startswith("I") and image.info["transparency"] == 117
+        rgb = to_rgb(image)
+    assert rgb.getpixel((0, 0)) == (255, 255, 255) and rgb.getpixel((0, 3)) == (117, 117, 117)
+
+
 def test_palette_transparency_becomes_white():
     image = Image.new("P", (4, 4), 0)
     image.putpalette([10, 20, 30] * 256)

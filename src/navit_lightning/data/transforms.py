@@ -78,7 +78,14 @@ def to_rgb(image: Image.Image) -> Image.Image:
         return image
     if image.mode in HIGH_BIT_DEPTH_MODES:
         # through "I": Pillow's point() refuses the 16-bit modes of either byte order
-        image = image.convert("I").point(lambda value: value / 256).convert("L")
+        wide = image.convert("I")
+        transparent = image.info.get("transparency")
+        image = wide.point(lambda value: value / 256).convert("L")
+        if transparent is not None:  # a 16-bit grey: matched before the scaling to 8 bits
+            image.info.pop("transparency", None)
+            image.putalpha(
+                Image.fromarray(np.where(np.asarray(wide) == transparent, 0, 255).astype(np.uint8))
+            )
     elif image.mode == "F":
         scale = 255 if image.getextrema()[1] <= 1 else 1
         image = image.point(lambda value: value * scale).convert("L")
