@@ -18,7 +18,7 @@ from navit_lightning.errors import ConfigError
 from navit_lightning.eval import evaluate
 from navit_lightning.predict import predict
 from navit_lightning.utils import validate
-from navit_lightning.utils.entry_point import refusal, refuse_null_groups
+from navit_lightning.utils.entry_point import refusal, refuse_null_groups, refuse_two_modes
 from navit_lightning.utils.validate import check_launch
 from tests.conftest import TINY_RUN, bare_trainer
 
@@ -411,6 +411,28 @@ def test_a_ddp_spawn_ranks_refusal_reaches_the_launching_process_as_its_line():
     assert refusal(ProcessRaisedException(sent, 1, 123)) == "trainer.val_check_interval: past the batches"
     other = sent.replace("navit_lightning.errors.ConfigError", "RuntimeError")
     assert refusal(ProcessRaisedException(other, 1, 123)) is None
+
+
+@pytest.mark.parametrize(
+    ("arguments", "refused"),
+    [
+        (["-m", "seed=1,2", "--cfg", "job"], "--cfg with --multirun"),
+        (["--multirun", "seed=1,2", "--info=config"], "--info with --multirun"),
+        (["-c", "hydra", "-i"], "--cfg with --info"),
+        (["--cfg", "job", "seed=1"], None),
+        (["-m", "seed=1,2", "hydra/launcher=slurm"], None),
+        (["-cn", "eval", "--config-dir", "mine", "-m"], None),  # Hydra's other short flags
+    ],
+)
+def test_two_of_hydras_modes_in_one_command_are_refused_in_one_line(capsys, arguments, refused):
+    if refused:
+        with pytest.raises(SystemExit) as exit_:
+            refuse_two_modes(arguments)
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.startswith(f"error: {refused}: Hydra does one of them per command")
+    else:
+        refuse_two_modes(arguments)
+        assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize(

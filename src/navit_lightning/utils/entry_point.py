@@ -32,9 +32,27 @@ def launch(hydra_main: Callable[[], Any]) -> None:
     where every process runs Hydra itself, the .hydra folder and the log file are left to
     the first (see utils/launch.py)."""
     end_promptly_on_signals()
+    refuse_two_modes(sys.argv[1:])
     refuse_null_groups(sys.argv[1:])
     sys.argv += quiet_rank_overrides()
     hydra_main()
+
+
+# Hydra's flags of what a command does, short and long: it takes one per command
+HYDRA_MODES = {"-r": "--run", "-m": "--multirun", "-c": "--cfg", "-i": "--info", "-sc": "--shell-completion"}
+
+
+def refuse_two_modes(arguments: list[str]) -> None:
+    """`-m ... --cfg job` ends in Hydra's ValueError traceback: refuse it in one line."""
+    given = {HYDRA_MODES.get(flag, flag) for flag in (argument.split("=")[0] for argument in arguments)}
+    modes = sorted(given & set(HYDRA_MODES.values()))
+    if len(modes) > 1:
+        print(
+            f"error: {' with '.join(modes)}: Hydra does one of them per command; to print a sweep "
+            "job's config, drop -m and give each swept setting that job's one value",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
 
 
 def refuse_null_groups(arguments: list[str]) -> None:
