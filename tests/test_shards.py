@@ -180,3 +180,20 @@ def test_shards_of_a_folder_with_a_class_named_train_hold_its_classes(tmp_path):
         shard_images = from_shards.datasets[split].images
         assert shard_images.paths.tolist() == folder_images.paths.tolist()
         assert np.array_equal(shard_images.labels, folder_images.labels)
+
+
+def test_what_the_shards_leave_out_of_a_folder_is_named_as_training_from_it_names_it(tmp_path, caplog):
+    """Images beside the class folders and folders beside the split folders: training from
+    the folder warns of them, and writing its shards left them out without a word."""
+    for split in ("train", "val", "extra"):
+        for name in ("cat", "dog"):
+            (tmp_path / "images" / split / name).mkdir(parents=True)
+            Image.new("RGB", (8, 8)).save(tmp_path / "images" / split / name / "0.png")
+    Image.new("RGB", (8, 8)).save(tmp_path / "images" / "train" / "stray.png")
+    with caplog.at_level("WARNING"):
+        write_shards(tmp_path / "images", tmp_path / "shards")
+    with pytest.warns(UserWarning) as warned:
+        datamodule(tmp_path / "images")
+    named = [str(warning.message) for warning in warned if "left out" in str(warning.message)]
+    logged = [record.getMessage() for record in caplog.records if "left out" in record.getMessage()]
+    assert len(named) == 2 and logged == named

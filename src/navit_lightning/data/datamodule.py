@@ -25,6 +25,7 @@ from navit_lightning.data.folder import (
     folder_layout,
     hold_out,
     images_of_files,
+    left_out,
     paths_layout,
     split_images,
     warn_unreadable,
@@ -268,28 +269,16 @@ class PackedImageDataModule(L.LightningDataModule):
             return
         classes = self.class_names()
         manifest, layout = self._manifest()
-        splits = {}
+        splits, loose = {}, {}
         for split, folder in layout.items():
-            images, unreadable, loose = split_images(manifest, self.root, folder, classes)
-            if loose:
-                rank_zero_warn(
-                    f"{self.root / folder}: left out {len(loose)} image(s) beside its class folders "
-                    f"({loose[0]}, ...): an image's class is the folder it is in"
-                )
+            splits[split], unreadable, loose[folder] = split_images(manifest, self.root, folder, classes)
             warn_unreadable_on_rank_zero(unreadable)
             if unreadable:
                 rank_zero_warn(
                     f"{self.root / folder}: left out {len(unreadable)} unreadable files (named above)"
                 )
-            splits[split] = images
-        if "" not in layout.values():  # split folders: any others beside them are left out
-            splits_in = [f"{name}/" for name in layout.values()]
-            tops = {path.split("/", 1)[0] + "/" if "/" in path else path for path in manifest.paths.tolist()}
-            unused = sorted(tops - {*splits_in})  # folders, and images beside the split folders
-            if unused:
-                rank_zero_warn(
-                    f"{self.root}: left out {', '.join(unused)} (the splits are {', '.join(splits_in)})"
-                )
+        for line in left_out(manifest, self.root, layout, loose):
+            rank_zero_warn(line)
         if self.evaluate_all and "val" not in splits:  # every image is evaluated, none held out
             splits["val"] = splits.get("test", splits.get("train"))
         if "train" in splits and not self.evaluate_all:

@@ -254,6 +254,27 @@ def split_images(
     return everything.take(rows[readable]), unreadable, loose
 
 
+def left_out(
+    manifest: Manifest, root: Path, layout: dict[str, str], loose: dict[str, list[str]]
+) -> list[str]:
+    """A line for each part of root that no split reads: the images beside a split's class
+    folders (`loose`, by split folder, from split_images), and what lies beside the split
+    folders."""
+    lines = [
+        f"{root / folder}: left out {len(paths)} image(s) beside its class folders ({paths[0]}, ...): "
+        "an image's class is the folder it is in"
+        for folder, paths in loose.items()
+        if paths
+    ]
+    if "" not in layout.values():  # split folders: any others beside them are left out
+        splits_in = [f"{name}/" for name in layout.values()]
+        tops = {path.split("/", 1)[0] + "/" if "/" in path else path for path in manifest.paths.tolist()}
+        unused = sorted(tops - {*splits_in})  # folders, and images beside the split folders
+        if unused:
+            lines.append(f"{root}: left out {', '.join(unused)} (the splits are {', '.join(splits_in)})")
+    return lines
+
+
 def images_of_files(items: list[tuple[Path, int]], workers: int = 1) -> tuple[Images, Unreadable]:
     """Like split_images for (path, label) items without a manifest: their headers read here."""
     results = read_sizes([str(path) for path, _ in items], workers, "Reading image sizes")

@@ -29,6 +29,7 @@ from navit_lightning.data.folder import (
     check_every_class_readable,
     find_classes,
     folder_layout,
+    left_out,
     split_images,
     warn_unreadable,
 )
@@ -56,9 +57,9 @@ def write_shards(
     classes = find_classes(folder / layout["train"])
     check_class_folders(folder / layout["train"], classes)
     out.mkdir(parents=True, exist_ok=True)
-    rows, shard_names, spans = [], [], []
+    rows, shard_names, spans, loose = [], [], [], {}
     for split, split_folder in layout.items():
-        images, unreadable, _ = split_images(manifest, folder, split_folder, classes)
+        images, unreadable, loose[split_folder] = split_images(manifest, folder, split_folder, classes)
         warn_unreadable(unreadable)
         if split == "train":
             check_every_class_readable(images, classes, folder / split_folder)
@@ -92,6 +93,8 @@ def write_shards(
     )
     sharded.save(out / MANIFEST_NAME)
     (out / CLASSES_NAME).write_text(json.dumps(classes))
+    for line in left_out(manifest, folder, layout, loose):
+        log.warning(line)
     log.info("wrote %d images into %d shards in %s", len(rows), len(shard_names), out)
     return sharded
 
