@@ -3,6 +3,7 @@ ckpt_path=last."""
 
 import os
 import re
+import shutil
 import signal
 from pathlib import Path
 from types import SimpleNamespace
@@ -11,6 +12,7 @@ import hydra
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loops.progress import _BatchProgress
 from omegaconf import OmegaConf
@@ -23,6 +25,7 @@ from navit_lightning.utils.checkpoints import (
     check_resumable,
     check_same_classes,
     data_for,
+    data_keys_given,
     load_initial_weights,
     read_checkpoint,
 )
@@ -188,6 +191,30 @@ def test_eval_on_a_data_group_takes_its_images_with_the_runs_sizes_and_what_the_
     # a datamodule of another class: the group as it is
     other = OmegaConf.create({"data": {"_target_": "the.runs.DataModule", "rows": 4}})
     assert data_for(cfg, other, given={"root", "rows"}) == cfg.data
+
+
+def test_eval_on_a_data_group_takes_the_data_settings_of_configs_local(tmp_path):
+    """configs/local applies to eval.py too (README): under data=imagefolder its data.rows
+    gave way to the run's, as a setting of the group's own would."""
+    configs = tmp_path / "configs"
+    shutil.copytree(CONFIG_DIR, configs, ignore=shutil.ignore_patterns("local"))
+    (configs / "local").mkdir()
+    (configs / "local" / "default.yaml").write_text("# @package _global_\ndata:\n  rows: 1\n")
+    run = OmegaConf.create(
+        {
+            "data": {
+                "_target_": "navit_lightning.data.datamodule.PackedImageDataModule",
+                "root": "trained/on",
+                "rows": 4,
+            }
+        }
+    )
+    overrides = ["ckpt_path=run.ckpt", "data=imagefolder", f"data.root={tmp_path}"]
+    with initialize_config_dir(config_dir=str(configs), version_base="1.3"):
+        cfg = compose("eval", overrides=overrides, return_hydra_config=True)
+        HydraConfig().set_config(cfg)
+        given = data_keys_given()
+    assert given == {"root", "rows"} and data_for(cfg, run, given).rows == 1
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):

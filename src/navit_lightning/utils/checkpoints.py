@@ -15,6 +15,7 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import MissingConfigException
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
@@ -399,8 +400,20 @@ def keys_given(group: str) -> set[str]:
 
 
 def data_keys_given() -> set[str]:
-    """The data.* keys the command line of this Hydra job sets (data.rows=4, +data.x=1)."""
-    return {key.split(".")[0] for key in keys_given("data") if key}
+    """The data.* keys the command line of this Hydra job sets (data.rows=4, +data.x=1), and
+    those its configs/local file sets (README: they apply to eval.py and predict.py too)."""
+    return {key.split(".")[0] for key in keys_given("data") if key} | set(local_settings().get("data") or {})
+
+
+def local_settings() -> DictConfig:
+    """This Hydra job's configs/local file (a folder of --config-dir's too), or nothing."""
+    choice = HydraConfig.get().runtime.choices.get("local@_global_") if HydraConfig.initialized() else None
+    if choice is None:
+        return OmegaConf.create()
+    try:
+        return hydra.compose(config_name=f"local/{choice}")
+    except MissingConfigException:  # the default is optional: most machines have none
+        return OmegaConf.create()
 
 
 def build_from_checkpoint(
