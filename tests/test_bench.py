@@ -1,5 +1,7 @@
 """The benchmarks run (their figures are for people, not asserted as speeds)."""
 
+import importlib.util
+import math
 import re
 
 import pytest
@@ -95,6 +97,8 @@ def test_profile_parts_go_by_op_name_and_the_optimizer_by_caller():
     assert {name: part_of(event(name)) for name in expected} == expected
     step = event("Optimizer.step#AdamW.step")
     assert part_of(event("aten::lerp_", event("aten::_foreach_lerp_", step))) == OPTIMIZER
+    zero_grad = event("Optimizer.zero_grad#AdamW.zero_grad")
+    assert part_of(event("aten::zero_", zero_grad)) == OPTIMIZER
 
 
 def test_a_compiled_steps_fused_kernels_are_a_part_of_their_own():
@@ -298,3 +302,430 @@ def test_the_planning_benchmark_counts_the_epochs_batches_not_rank_0s_times_the_
         lookahead=planning.LOOKAHEAD, num_replicas=ranks,
     )  # fmt: skip
     assert planning.measure(count, ranks)["batches"] == len(sampler._epoch_plan().batches)
+
+
+def test_the_summary_compares_against_the_right_row_of_each_kind():
+    """Each line picks one row of many: eager dense sdpa, the padded batch and each peer at
+    their best, the eager plain case of a checkpointed one, the fastest at the longest rows
+    and the fullest share of the matmul probe."""
+    from navit_lightning.bench import attention
+
+    def timed(layout, backend, row_len, ms, compiled=False, share=0.1, peak=None):
+        return attention.Result(
+            "navit_tiny", layout, backend, compiled, row_len, 10, 1000, step_ms=ms,
+            patches_per_s=1000 / (ms / 1000), images_per_s=10 / (ms / 1000), tflops=1e-3,
+            matmul_share=share, peak_mib=peak, round_ms=[ms],
+        )  # fmt: skip
+
+    # compiled rows first: a choice that forgets `eager` takes them
+    sdpa_compiled = timed("packed", "sdpa", 512, 100.0, compiled=True, share=0.7)
+    sdpa = timed("packed", "sdpa", 512, 200.0, share=0.35)
+    segments_compiled = timed("packed", "segments", 512, 110.0, compiled=True, share=0.6, peak=300.0)
+    segments = timed("packed", "segments", 512, 125.0, share=0.5, peak=500.0)
+    checkpointed = timed("checkpointed", "segments", 512, 250.0, peak=200.0)
+    padded = [timed("padded", "sdpa", 256, 400.0), timed("padded", "sdpa", 256, 300.0, compiled=True)]
+    scaling = [
+        timed("scaling", "sdpa", 1024, 300.0),
+        timed("scaling", "sdpa", 2048, 600.0),
+        timed("scaling", "segments", 2048, 200.0),
+    ]
+    peer = [timed("peer", "vit-pytorch", 256, 150.0), timed("peer", "vit-pytorch", 2048, 800.0)]
+    untimed = timed("packed", "flex", 512, 1.0)
+    untimed.step_ms = None
+    results = [sdpa_compiled, sdpa, segments_compiled, segments, checkpointed, *padded, *scaling, *peer]
+    lines = attention.summary([*results, untimed])
+
+    best, longest = sdpa_compiled, scaling[1:]
+    assert lines == [
+        f"navit_tiny: best packed (sdpa compiled) {sdpa.step_ms / best.step_ms:.2f}x the real "
+        "patches/s of dense masked sdpa (eager)",
+        f"navit_tiny: best packed against the padded batch (its best, 256 patches an image): "
+        f"{padded[1].step_ms / best.step_ms:.2f}x its images/s, {padded[1].step_ms / best.step_ms:.2f}x "
+        "its patches/s",
+        f"navit_tiny: best packed (sdpa compiled) {peer[0].step_ms / best.step_ms:.2f}x the real "
+        f"patches/s of vit-pytorch at its best (rows of {peer[0].row_len} tokens); target 1.5x: met",
+        f"navit_tiny: segments with grad checkpointing: {checkpointed.step_ms / segments.step_ms:.2f}x "
+        f"the step time, peak {segments.peak_mib:.0f} -> {checkpointed.peak_mib:.0f} MiB",
+        "navit_tiny: sdpa step time from 1024- to 2048-token rows: 300.0..600.0 ms, spread 100%",
+        "navit_tiny: segments step time from 2048- to 2048-token rows: 200.0..200.0 ms, spread 0%",
+        f"navit_tiny: at 2048-token rows segments {longest[0].step_ms / longest[1].step_ms:.2f}x the "
+        "speed of dense masked sdpa",
+        f"navit_tiny: best share of the matmul probe {best.matmul_share:.0%} (target 75%: NOT met)",
+    ]
+
+
+def _bench_case(layout, backend, row_len, step_ms=None, compiled=False, trainer=None, batch=None):
+    from navit_lightning.bench import attention
+
+    result = attention.Result("navit_tiny", layout, backend, compiled, row_len, 10, 1000, step_ms=step_ms)
+    return attention.Case(result, trainer, batch=batch, flops=1e9)
+
+
+def test_a_case_is_judged_on_its_median_round(monkeypatch):
+    from types import SimpleNamespace
+
+    from navit_lightning.bench import attention
+
+    rounds = [0.1, 0.3, 0.2]
+    monkeypatch.setattr(attention, "timed_once", lambda step, device: rounds.pop(0))
+    net = torch.nn.Linear(1, 1)
+    trainer = attention.Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), lambda batch: None)
+    case = _bench_case("packed", "sdpa", 256, trainer=trainer)
+    probe = SimpleNamespace(time=lambda: None, rate=1e12)
+    attention.measure_interleaved([case], torch.device("cpu"), len(rounds), probe)
+    assert case.result.round_ms == pytest.approx([100.0, 300.0, 200.0])
+    assert case.result.step_ms == pytest.approx(200.0)
+    assert case.result.patches_per_s == pytest.approx(case.result.real_tokens / 0.2)
+
+
+def test_a_cases_host_memory_peak_adds_the_parameters_and_optimizer_state(monkeypatch):
+    """--memory: the profiled step's own peak, plus what stays resident between steps."""
+    from types import SimpleNamespace
+
+    from navit_lightning.bench import attention
+
+    step_peak = 3 * 2**20
+    monkeypatch.setattr(attention, "peak_host_bytes", lambda step: step_peak)
+    net = torch.nn.Linear(64, 64)
+    cpu = torch.device("cpu")
+    trainer = attention.trainer_for(net, net, cpu, None)
+    case = _bench_case("packed", "sdpa", 256, trainer=trainer, batch=torch.randn(4, 64))
+    probe = SimpleNamespace(time=lambda: None, rate=1e12)
+    attention.measure_interleaved([case], cpu, 1, probe, host_memory=True)
+    state = trainer.state_bytes()
+    assert state >= 3 * (64 * 64 + 64) * 4  # the parameters and AdamW's two moments
+    assert case.result.peak_mib == pytest.approx((step_peak + state) / 2**20)
+
+
+def test_a_compiled_case_steps_through_torch_compile(monkeypatch):
+    """(torch.compile stubbed: a wrapper that records its calls.)"""
+    from navit_lightning.bench import attention
+
+    compiled_calls = []
+
+    def fake_compile(module):
+        def forward(batch):
+            compiled_calls.append(module)
+            return module(batch)
+
+        return forward
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    arch = {"patch_size": 8, "dim": 32, "depth": 1, "heads": 2, "mlp_ratio": 2.0}
+    patch_dim = 8 * 8 * 3
+    batch = attention.packed_batch(
+        attention.samples_for(attention.workload(256), patch_dim), 256, 256, patch_dim
+    )
+    cpu = torch.device("cpu")
+    for compiled in (False, True):
+        trainer = attention.make_trainer(arch, "sdpa", compiled, cpu, None)
+        trainer.step(batch)
+        assert compiled_calls == ([trainer.net] if compiled else []), compiled
+
+
+def test_the_profiled_cases_are_the_fastest_packed_one_and_each_peer_at_its_best(monkeypatch):
+    from navit_lightning.bench import attention
+    from navit_lightning.bench.profile import StepProfile
+
+    monkeypatch.setattr(attention, "profile_step", lambda step, device: StepProfile(1.0, {}))
+    cases = [
+        _bench_case("packed", "sdpa", 512, 200.0),
+        _bench_case("packed", "segments", 512, 100.0, compiled=True),
+        _bench_case("packed", "flex", 512),  # not timed
+        _bench_case("scaling", "segments", 2048, 50.0),  # faster, but not the packed batch
+        _bench_case("peer", "vit-pytorch", 2048, 300.0),
+        _bench_case("peer", "vit-pytorch", 256, 150.0),
+        _bench_case("peer", "vit-pytorch", 512, 250.0),
+    ]
+    named = attention.profile_fastest(cases, torch.device("cpu"))
+    assert list(named) == ["segments compiled (512)", "vit-pytorch (256)"]
+
+
+@pytest.mark.parametrize("tokens", [512, 704, 1000, 2048, 4096])
+def test_the_attention_workload_fills_at_most_98_percent_of_its_tokens(tokens):
+    from navit_lightning.bench.attention import workload
+
+    sides = (4, 16)
+    filled = sum(h * w for h, w in workload(tokens, sides))
+    # it stops at the first image that would overfill: that image is at most 16 x 16
+    assert 0.98 * tokens - sides[1] ** 2 < filled <= 0.98 * tokens
+
+
+def test_the_padded_batch_is_the_square_side_nearest_the_mean_image():
+    from navit_lightning.bench.attention import padded_batch, samples_for, workload
+
+    samples = samples_for(workload(512), patch_dim=12)
+    mean = sum(len(s.patches) for s in samples) / len(samples)
+    batch = padded_batch(samples, patch_dim=12)
+    side = math.isqrt(batch.patches.shape[1])
+    assert side * side == batch.patches.shape[1] and batch.patches.shape[0] == len(samples)
+    assert all(abs(side - math.sqrt(mean)) <= abs(other - math.sqrt(mean)) for other in (side - 1, side + 1))
+
+
+def test_the_step_clock_averages_the_steps_after_the_warmup():
+    from navit_lightning.bench.step import StepClock
+
+    clock = StepClock(warmup=1, steps=2)
+    clock.starts = [0.0, 1.0, 2.0, 4.0, 8.0]  # the last start: a step after the timed ones
+    timed = clock.starts[1:4]
+    assert clock.mean_ms() == pytest.approx(1000 * (timed[-1] - timed[0]) / 2)
+
+
+def test_the_bare_step_leaves_its_warmup_out_and_clips_gradients(monkeypatch):
+    """A warm-up step of 10 s and steps of 1 s on a stubbed clock: a mean of 1 s."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from navit_lightning.bench import step
+
+    now = [0.0]
+    clipped = []
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(2))
+            self.calls = 0
+
+        def forward(self, batch, index):
+            now[0] += 10.0 if self.calls == 0 else 1.0
+            self.calls += 1
+            return self.weight.expand(1, 2)
+
+    monkeypatch.setattr(step, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(step, "move_data_to_device", lambda batch, device: batch)
+    monkeypatch.setattr(step, "image_index", lambda batch, num_images: torch.tensor([0]))
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, norm: clipped.append(norm))
+    cfg = SimpleNamespace(
+        optimizer={"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1},
+        scheduler={"_target_": "torch.optim.lr_scheduler.StepLR", "_partial_": True},
+        trainer=SimpleNamespace(gradient_clip_val=1.0),
+    )
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(root_device=torch.device("cpu")),
+        precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext),
+    )
+    batch = SimpleNamespace(num_images=1, image_ids=torch.zeros(1), labels=torch.zeros(1, dtype=torch.long))
+    warmup, steps = 1, 3
+    assert step.bare_step_ms(Model(), trainer, cfg, [batch] * 10, warmup, steps) == pytest.approx(1000.0)
+    assert clipped == [cfg.trainer.gradient_clip_val] * (warmup + steps)
+
+
+def _deterministic_algorithms() -> tuple[bool, bool]:
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+def _stub_step_runs(monkeypatch, world_size=1, bare=(10.0, 99.0, 30.0)):
+    """step.measure with its runs stubbed: build gives a trainer of `world_size` processes and
+    turns deterministic algorithms on (warn only), as trainer.deterministic=warn does; each
+    Lightning run records its overrides and turns them off; the bare steps (before, with the
+    loader, after) give `bare` ms and record whether deterministic algorithms were on."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from navit_lightning.bench import step
+
+    runs, deterministic = [], []
+    datamodule = SimpleNamespace(
+        prepare_data=lambda: None, setup=lambda stage: None, teardown=lambda stage: None,
+        train_dataloader=lambda: [object()] * 10,
+    )  # fmt: skip
+
+    def build(cfg, callbacks=()):
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        return datamodule, None, SimpleNamespace(loggers=[], callbacks=[], world_size=world_size)
+
+    def lightning_step(overrides, warmup, steps, sync_steps=0):
+        runs.append(overrides)
+        torch.use_deterministic_algorithms(False)
+        return SimpleNamespace(mean_ms=lambda: 50.0, syncs_per_step=dict)
+
+    def bare_step_ms(model, trainer, cfg, batches, warmup, steps):
+        deterministic.append(_deterministic_algorithms())
+        return bare[len(deterministic) - 1]
+
+    monkeypatch.setattr(step, "train_config", lambda overrides: OmegaConf.create({"trainer": {}}))
+    monkeypatch.setattr(step, "build", build)
+    monkeypatch.setattr(step, "lightning_step", lightning_step)
+    monkeypatch.setattr(step, "bare_step_ms", bare_step_ms)
+    return runs, deterministic
+
+
+@pytest.fixture
+def deterministic_setting():
+    """The process's deterministic-algorithms setting, as it was before the test."""
+    before = _deterministic_algorithms()
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_the_step_benchmark_ablates_each_suspect_with_its_own_overrides(monkeypatch, deterministic_setting):
+    from navit_lightning.bench import step
+
+    runs, _ = _stub_step_runs(monkeypatch)
+    overrides = ["model=navit_tiny"]
+    step.measure(overrides, steps=2, warmup=1, ablate=True, sync_steps=0)
+    every_suspect = [o for taken_away in step.SUSPECTS.values() for o in taken_away]
+    expected = [overrides, *([*overrides, *taken_away] for taken_away in step.SUSPECTS.values())]
+    assert runs == [*expected, [*overrides, *every_suspect]]
+
+
+def test_the_bare_step_after_the_lightning_runs_has_the_determinism_of_the_one_before(
+    monkeypatch, deterministic_setting
+):
+    """A Lightning run without trainer.deterministic turns deterministic algorithms off for
+    the process: the bare step after them must run as the one before them did."""
+    from navit_lightning.bench import step
+
+    _, deterministic = _stub_step_runs(monkeypatch)
+    step.measure([], steps=2, warmup=1, ablate=True, sync_steps=0)
+    assert deterministic[-1] == deterministic[0] == (True, True)
+
+
+def test_the_bare_step_is_the_mean_of_the_one_before_and_the_one_after(monkeypatch, deterministic_setting):
+    from navit_lightning.bench import step
+
+    _stub_step_runs(monkeypatch, bare=(10.0, 99.0, 30.0))  # before, with the loader, after
+    figures = step.measure([], steps=2, warmup=1, ablate=False, sync_steps=0)
+    assert (figures["bare_before"], figures["bare_with_loader"], figures["bare_after"]) == (10.0, 99.0, 30.0)
+    assert figures["bare"] == pytest.approx((10.0 + 30.0) / 2)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_step_benchmark_refuses_more_than_one_process(monkeypatch, deterministic_setting, world_size):
+    from navit_lightning.bench import step
+
+    runs, _ = _stub_step_runs(monkeypatch, world_size=world_size)
+    with pytest.raises(ConfigError, match="runs one process"):
+        step.measure([], steps=2, warmup=1, ablate=False, sync_steps=0)
+    assert runs == []
+
+
+def test_the_optimizers_own_annotations_count_as_the_optimizer(monkeypatch):
+    """Optimizer.step#AdamW.step's own time is the optimizer's Python: its name matches no
+    part, and it has no optimizer caller. (The profiler stubbed: one such event of 6 ms.)"""
+    import contextlib
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from navit_lightning.bench import profile
+
+    own_us, steps = 6000.0, 3
+    annotation = SimpleNamespace(
+        name="Optimizer.step#AdamW.step",
+        device_type=DeviceType.CPU,
+        self_cpu_time_total=own_us,
+        cpu_parent=None,
+    )
+    profiled = SimpleNamespace(events=lambda: [annotation])
+    monkeypatch.setattr(profile, "profile", lambda activities: contextlib.nullcontext(profiled))
+    parts = profile.profile_step(lambda: None, torch.device("cpu"), steps=steps).parts
+    assert parts[profile.OPTIMIZER] == pytest.approx(own_us / 1000 / steps)
+    assert profile.OTHER not in parts
+
+
+def test_the_profile_table_lists_the_parts_largest_first_in_the_first_profile():
+    from navit_lightning.bench.profile import StepProfile, profile_table
+
+    ours = StepProfile(10.0, {"LayerNorm": 1.0, "matmuls": 5.0, "GELU": 3.0})
+    theirs = StepProfile(20.0, {"matmuls": 1.0, "GELU": 2.0, "LayerNorm": 15.0})
+    rows = profile_table({"ours": ours, "theirs": theirs}).splitlines()[2:]
+    by_size = sorted(ours.parts, key=ours.parts.get, reverse=True)
+    assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == [*by_size, "whole step"]
+
+
+PEER_ARCH = {
+    "patch_size": 8, "channels": 3, "dim": 64, "depth": 2, "heads": 4, "mlp_ratio": 3.0, "qk_norm": True,
+    "max_grid": 16,
+}  # fmt: skip
+
+
+def test_a_peers_images_keep_their_orientation():
+    from navit_lightning.bench.attention import samples_for
+    from navit_lightning.bench.peers import images_of
+
+    p, c = PEER_ARCH["patch_size"], PEER_ARCH["channels"]
+    (sample,) = samples_for([(10, 14)], patch_dim=p * p * c)
+    (image,) = images_of([sample], p, c, torch.device("cpu"))
+    assert image.shape == (c, 10 * p, 14 * p)
+    # the second patch of the first row, channels innermost in a flattened patch
+    second = sample.patches[1].float().reshape(p, p, c).permute(2, 0, 1) / 255
+    assert torch.equal(image[:, :p, p : 2 * p], second)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vit_pytorch") is None, reason="vit-pytorch is not installed")
+def test_vit_pytorchs_navit_packs_into_rows_of_the_given_length_at_our_size():
+    from navit_lightning.bench.attention import samples_for, workload
+    from navit_lightning.bench.peers import vit_pytorch_navit
+    from navit_lightning.models import NaViT
+
+    arch = PEER_ARCH
+    samples = samples_for(workload(512), patch_dim=arch["patch_size"] ** 2 * arch["channels"])
+    net, forward, images = vit_pytorch_navit(arch, samples, torch.device("cpu"), row_len=256)
+    # equal architecture: its parameter count near ours (its heads' width is dim / heads too)
+    theirs, ours = (sum(p.numel() for p in n.parameters()) for n in (net, NaViT(**arch)))
+    assert abs(theirs / ours - 1) < 0.1, (theirs, ours)
+    rows = []
+    net.transformer.register_forward_pre_hook(lambda module, inputs: rows.append(inputs[0].shape))
+    with torch.no_grad():
+        forward(images)
+    (shape,) = rows
+    assert shape[1] <= 256 and shape[0] * 256 >= sum(len(s.patches) for s in samples), shape
+
+
+def test_the_planning_benchmark_gives_rank_0s_fill_of_the_same_plan_and_totals_its_phases():
+    """Its plan is built phase by phase: the fill must be that of the sampler the loader
+    would build (every rank, the same look-ahead), and the total every phase's seconds."""
+    from navit_lightning.bench import planning
+    from navit_lightning.data.sampler import PackedBatchSampler
+
+    count, ranks = 20_000, 3
+    sampler = PackedBatchSampler(
+        planning.synthetic_sizes(count, planning.SEED), planning.SHAPE, planning.POLICY, shuffle=True,
+        seed=planning.SEED, lookahead=planning.LOOKAHEAD, num_replicas=ranks,
+    )  # fmt: skip
+    figures = planning.measure(count, ranks)
+    assert figures["fill"] == sampler.plan_stats().fill
+    assert figures["total"] == sum(figures[phase] for phase in planning.PHASES)
+    assert all(figures[phase] > 0 for phase in planning.PHASES)
+
+
+def test_the_planning_benchmarks_images_are_two_thirds_photos_of_at_most_4032_px():
+    """Photos: a camera aspect (4:3, 3:2, 16:9, 1:1, either way), long side up to 4032 px;
+    the rest: any aspect and area, no side beyond 4032 px either."""
+    from navit_lightning.bench import planning
+
+    sizes = planning.synthetic_sizes(20_000, planning.SEED)
+    camera = (1.0, 4 / 3, 3 / 2, 16 / 9)
+    photos = [s for s in sizes if any(abs(max(s) / min(s) / a - 1) < 0.01 for a in camera)]
+    # a few of the rest fall near a camera aspect by chance
+    assert 2 / 3 <= len(photos) / len(sizes) < 2 / 3 + 0.03
+    assert max(max(s) for s in sizes) <= 4032
+
+
+def test_the_index_benchmark_counts_the_opens_of_each_timed_call_alone(monkeypatch):
+    from navit_lightning.bench import index
+
+    monkeypatch.setitem(index.OPENED, "on", False)
+    monkeypatch.setitem(index.OPENED, "count", 0)
+
+    def opens(count):
+        for number in range(count):
+            index._count_opened("open", (f"/images/{number}.png", "rb", 0))
+
+    assert [index.timed(lambda count=count: opens(count))[1] for count in (5, 2)] == [5, 2]
+    opens(3)  # between timed calls: not counted
+    assert index.OPENED["count"] == 2
+
+
+def test_the_lightning_run_clocks_every_timed_step_and_the_one_after(project_root, monkeypatch):
+    """The last timed step ends where the next one starts: the run takes one step more than
+    the warm-up and the timed steps (and the sync-counting ones after them)."""
+    from navit_lightning.bench import step
+
+    monkeypatch.setenv("PROJECT_ROOT", str(project_root))
+    warmup, steps, sync_steps = 1, 2, 1
+    clock = step.lightning_step([*TINY_RUN], warmup, steps, sync_steps)
+    assert len(clock.starts) == warmup + steps + 1 + sync_steps
