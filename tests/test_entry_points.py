@@ -37,6 +37,7 @@ def assert_run_folder(run, validated: bool = True):
 def assert_written_once_by_rank_zero(run, steps_per_rank: int | None = None, ranks: int = 2):
     """One log file, written by rank 0 only, showing equal batch counts on every rank."""
     assert_run_folder(run)
+    assert [path.name for path in run.glob("*.log")] == ["train.log"]
     log = (run / "train.log").read_text()
     assert "[rank: 1]" not in log and "GLOBAL_RANK: 1" not in log and log.count("Config:") == 1
     counts = re.findall(r"training batches per rank: \[([\d, ]+)\]", log)
@@ -122,14 +123,15 @@ def test_debug_fdr_runs_a_batch_of_each_stage_and_writes_nothing_but_hydras_own(
 
 @pytest.mark.parametrize(
     ("strategy", "devices", "model"),
-    [("ddp", 2, []), ("ddp", 4, ["model.net.grad_checkpointing=true"])],
-    ids=["ddp", "ddp-4-grad-checkpointing"],
+    [("ddp", 2, []), ("auto", 4, ["model.net.grad_checkpointing=true"])],
+    ids=["ddp", "auto-4-grad-checkpointing"],
 )
 def test_ddp_on_cpu_with_the_default_callbacks(run_entry_point, strategy, devices, model):
     """A whole epoch with validation, then the test, the progress bar and every default
     callback on: every rank enters every collective in the same order. ddp_spawn: the
     README's command, checked alike by test_readme. With four ranks the blocks are also
-    recomputed in the backward (grad checkpointing), as a user short of memory trains."""
+    recomputed in the backward (grad checkpointing), as a user short of memory trains, and
+    strategy=auto, given them, is strategy=ddp."""
     result = run_entry_point(
         "train.py",
         *TINY_RUN,

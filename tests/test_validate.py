@@ -17,6 +17,7 @@ from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError
 from navit_lightning.eval import evaluate
 from navit_lightning.predict import predict
+from navit_lightning.strategies import HydraDDPStrategy
 from navit_lightning.utils import validate
 from navit_lightning.utils.entry_point import refusal, refuse_null_groups, refuse_two_modes
 from navit_lightning.utils.validate import check_launch
@@ -254,6 +255,32 @@ def test_a_sweeps_ranks_that_srun_started_are_no_sweep_of_lightnings_launcher(mo
     launched_by(monkeypatch, {"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train"})
     trainer = config("trainer.accelerator=cpu", "trainer.strategy=ddp", "trainer.devices=2").trainer
     validate.check_sweep_launch(trainer, 1)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "overrides", "ddp"),
+    [
+        (0, ["trainer.accelerator=cpu", "trainer.devices=2"], True),
+        (4, ["trainer.devices=-1"], True),
+        (0, ["trainer.accelerator=cpu", "trainer.num_nodes=2"], True),
+        (4, ["trainer.accelerator=cpu", "trainer.devices=auto"], False),  # one CPU process
+        (4, [], False),
+        (0, ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp"], False),
+    ],
+)
+def test_strategy_auto_given_several_devices_is_the_ddp_groups(monkeypatch, gpus, overrides, ddp):
+    """Lightning's own DDPStrategy reran the script outside the Hydra job: each rank wrote a
+    log file of its own, and a sweep was refused."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    launched_by(monkeypatch, {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "NODE_RANK": "0"})
+    cfg = config(*overrides)
+    given = cfg.trainer.strategy
+    check_launch(cfg)
+    if ddp:
+        assert cfg.trainer.strategy == {"_target_": "navit_lightning.strategies.HydraDDPStrategy"}
+        assert isinstance(hydra.utils.instantiate(cfg.trainer.strategy), HydraDDPStrategy)
+    else:
+        assert cfg.trainer.strategy == given
 
 
 def test_a_cpu_run_on_a_gpu_host_is_one_device_to_sweeps_and_launchers(monkeypatch):

@@ -18,7 +18,7 @@ from lightning.fabric.plugins.environments import (
 )
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_warn
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError, is_count, is_whole, require_counts
@@ -34,6 +34,8 @@ HALF_PRECISIONS = {"bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16", "16
 # Lightning reads the bare "bf16" and "16" as their -mixed forms.
 MIXED_PRECISIONS = {"bf16-mixed", "16-mixed", "bf16", "16"}
 DP_TARGET = "navit_lightning.strategies.PackedDataParallelStrategy"
+# strategy=ddp's (its settings are the class's defaults)
+HYDRA_DDP_TARGET = "navit_lightning.strategies.HydraDDPStrategy"
 STRATEGY_OPTIONS = sorted(path.stem for path in (Path(CONFIG_DIR) / "strategy").glob("*.yaml"))
 # What the configs leave as ??? for the command line to fill in, with an example value.
 REQUIRED_EXAMPLES = {
@@ -55,7 +57,7 @@ NODE_LAUNCHERS = (
 
 def check_launch(cfg: DictConfig, training: bool = True) -> None:
     """training=False (eval.py, predict.py): the model, and so its attention backend, comes from the
-    checkpoint later."""
+    checkpoint later. strategy=auto given several devices becomes strategy=ddp's strategy."""
     check_required(cfg)
     for group, fix in (
         ("optimizer", "choose one: optimizer=adamw"),
@@ -74,6 +76,14 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
             f"trainer.accelerator={accelerator} but no CUDA GPU is visible: use trainer.accelerator=cpu"
         )
     on_gpu = accelerator in GPU_ACCELERATORS or (accelerator == "auto" and gpus > 0)
+    if (
+        trainer.strategy == "auto"
+        and device_count(trainer.devices, gpus if on_gpu else 1) * trainer.num_nodes > 1
+    ):
+        # Lightning's choice would be its own DDPStrategy, whose ranks 1.. rerun the script
+        # outside this Hydra job: a log file of each rank's, the whole sweep in each under -m
+        with open_dict(trainer):
+            trainer.strategy = {"_target_": HYDRA_DDP_TARGET}
     devices = trainer.devices
     if on_gpu and isinstance(devices, int) and devices > gpus:
         raise ConfigError(
