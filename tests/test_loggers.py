@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import pickle
 import re
 import subprocess
 from pathlib import Path
@@ -14,7 +15,11 @@ from unittest.mock import MagicMock
 import pytest
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
-from navit_lightning.utils.loggers import ResumableMLFlowLogger, loggers_closed_on_failure
+from navit_lightning.utils.loggers import (
+    AppendingExperimentWriter,
+    ResumableMLFlowLogger,
+    loggers_closed_on_failure,
+)
 from tests.conftest import TINY_RUN, logged_scalars, run_folder
 
 pytestmark = pytest.mark.slow
@@ -270,3 +275,20 @@ def test_mlflow_logger_keeps_a_params_first_value_and_adds_new_ones(tmp_path, ca
         "logger/mlflow/resume_from": "None",
         "new": "1",
     }
+
+
+def test_a_csv_writers_copy_adds_its_columns_to_the_rows_another_copy_wrote(tmp_path):
+    """ddp_spawn hands each stage a copy of the launching process's writer: the test's copy,
+    which saw none of the fit's columns, emptied metrics.csv and failed on its rows."""
+    fit_stage = AppendingExperimentWriter(log_dir=str(tmp_path))
+    test_stage = pickle.loads(pickle.dumps(fit_stage))
+    fit_stage.log_metrics({"train/loss": 1.5}, step=0)
+    fit_stage.save()
+    test_stage.log_metrics({"test/acc": 0.5}, step=4)
+    test_stage.save()
+    with open(tmp_path / "metrics.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert rows == [
+        {"step": "0", "train/loss": "1.5", "test/acc": ""},
+        {"step": "4", "train/loss": "", "test/acc": "0.5"},
+    ]

@@ -1,6 +1,7 @@
 """Accuracy across resolutions: at the end of training and from eval.py, as files, log lines
 and TensorBoard entries that agree with a plain evaluation."""
 
+import csv
 import re
 from types import SimpleNamespace
 from unittest.mock import MagicMock, call
@@ -39,8 +40,12 @@ def test_training_ends_with_accuracy_across_resolutions_and_eval_py_agrees(run_e
     states were shared with the launching process, and the sweep's first budget counted the
     fit's sanity check and each image twice."""
     spawned = ["trainer.accelerator=cpu", "trainer.devices=2", "strategy=ddp_spawn"]
-    run_entry_point("train.py", *TINY_RUN, *spawned)
+    run_entry_point("train.py", *TINY_RUN, *spawned, "logger=many")
     run = run_folder(run_entry_point.root)
+    # each stage's copy of the CSV writer adds its columns to the rows the fit wrote
+    with open(run / "csv" / "metrics.csv", newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert all(any(row[column] for row in rows) for column in ("train/loss_step", "val/acc", "test/acc"))
     trained = read_results(run / "resolution_accuracy.csv")
     assert [result.patch_budget for result in trained] == [9, 16, 36, 64]
     assert (run / "resolution_accuracy.png").stat().st_size > 10_000

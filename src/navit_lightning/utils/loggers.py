@@ -24,13 +24,21 @@ if TYPE_CHECKING:
 
 class AppendingExperimentWriter(ExperimentWriter):
     """Adds rows under an existing metrics.csv's header, where Lightning's writer deletes the
-    file when it starts (it warns "Previous log files ... will be deleted")."""
+    file when it starts (it warns "Previous log files ... will be deleted"). The header is read
+    at each save: another copy of the writer may have written the file since (ddp_spawn hands
+    each stage a copy of the launching process's, which saw none of the fit's columns), and a
+    new column rewrote the file with this copy's columns alone, failing on the others' rows
+    after emptying it."""
 
     def _check_log_dir_exists(self) -> None:
-        if self._fs.isfile(self.metrics_file_path):
+        pass
+
+    def save(self) -> None:
+        if self.metrics and self._fs.isfile(self.metrics_file_path):
             with self._fs.open(self.metrics_file_path, "r", newline="") as file:
-                # the columns so far: a new metric rewrites the file with them and itself
-                self.metrics_keys = next(csv.reader(file), [])
+                header = next(csv.reader(file), [])
+            self.metrics_keys = sorted({*header, *self.metrics_keys})  # sorted, as Lightning keeps them
+        super().save()
 
 
 class ResumableCSVLogger(CSVLogger):
