@@ -199,7 +199,10 @@ def test_eval_on_a_data_group_takes_the_data_settings_of_configs_local(tmp_path)
     configs = tmp_path / "configs"
     shutil.copytree(CONFIG_DIR, configs, ignore=shutil.ignore_patterns("local"))
     (configs / "local").mkdir()
-    (configs / "local" / "default.yaml").write_text("# @package _global_\ndata:\n  rows: 1\n")
+    # as the README writes it, and with a defaults list of its own
+    (configs / "local" / "default.yaml").write_text(
+        "defaults:\n  - override /logger: csv\ndata:\n  rows: 1\n"
+    )
     run = OmegaConf.create(
         {
             "data": {

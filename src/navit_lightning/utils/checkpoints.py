@@ -15,7 +15,6 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import MissingConfigException
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
@@ -406,14 +405,15 @@ def data_keys_given() -> set[str]:
 
 
 def local_settings() -> DictConfig:
-    """This Hydra job's configs/local file (a folder of --config-dir's too), or nothing."""
+    """What this Hydra job's configs/local file sets (the first found in its config folders, as
+    Hydra finds it), or nothing: most machines have none. Read, not composed: the file is the
+    config's root whatever its header, and its defaults list overrides the job's groups."""
     choice = HydraConfig.get().runtime.choices.get("local@_global_") if HydraConfig.initialized() else None
-    if choice is None:
-        return OmegaConf.create()
-    try:
-        return hydra.compose(config_name=f"local/{choice}")
-    except MissingConfigException:  # the default is optional: most machines have none
-        return OmegaConf.create()
+    for source in HydraConfig.get().runtime.config_sources if choice else []:
+        path = Path(source.path.removeprefix("file://"), "local", f"{choice}.yaml")
+        if source.schema == "file" and path.is_file():
+            return OmegaConf.load(path)
+    return OmegaConf.create()
 
 
 def build_from_checkpoint(
