@@ -443,12 +443,14 @@ def test_a_ddp_spawn_ranks_refusal_reaches_the_launching_process_as_its_line():
 @pytest.mark.parametrize(
     ("arguments", "refused"),
     [
-        (["-m", "seed=1,2", "--cfg", "job"], "--cfg with --multirun"),
-        (["--multirun", "seed=1,2", "--info=config"], "--info with --multirun"),
+        (["-m", "seed=1,2", "--cfg", "job"], "--multirun with --cfg"),
+        (["-mc", "job"], "--multirun with --cfg"),  # as argparse reads them
+        (["--multi", "seed=1,2", "--info=config"], "--multirun with --info"),
         (["-c", "hydra", "-i"], "--cfg with --info"),
         (["--cfg", "job", "seed=1"], None),
         (["-m", "seed=1,2", "hydra/launcher=slurm"], None),
-        (["-cn", "eval", "--config-dir", "mine", "-m"], None),  # Hydra's other short flags
+        (["-cn", "eval", "--config-dir", "mine", "-m", "data.root=/x/-m"], None),  # Hydra's other short flags
+        (["-m", "--cfg", "job", "--help"], None),  # Hydra answers --help first
     ],
 )
 def test_two_of_hydras_modes_in_one_command_are_refused_in_one_line(capsys, arguments, refused):
@@ -456,7 +458,9 @@ def test_two_of_hydras_modes_in_one_command_are_refused_in_one_line(capsys, argu
         with pytest.raises(SystemExit) as exit_:
             refuse_two_modes(arguments)
         assert exit_.value.code == 2
-        assert capsys.readouterr().err.startswith(f"error: {refused}: Hydra does one of them per command")
+        said = capsys.readouterr().err
+        assert said.startswith(f"error: {refused}: Hydra does one of them per command")
+        assert ("drop -m" in said) == ("multirun" in refused)
     else:
         refuse_two_modes(arguments)
         assert capsys.readouterr().err == ""

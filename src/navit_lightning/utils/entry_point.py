@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import lightning as L
+from hydra._internal.utils import get_args_parser
 from hydra.errors import InstantiationException
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_info
@@ -38,20 +39,25 @@ def launch(hydra_main: Callable[[], Any]) -> None:
     hydra_main()
 
 
-# Hydra's flags of what a command does, short and long: it takes one per command
-HYDRA_MODES = {"-r": "--run", "-m": "--multirun", "-c": "--cfg", "-i": "--info", "-sc": "--shell-completion"}
-
-
 def refuse_two_modes(arguments: list[str]) -> None:
-    """`-m ... --cfg job` ends in Hydra's ValueError traceback: refuse it in one line."""
-    given = {HYDRA_MODES.get(flag, flag) for flag in (argument.split("=")[0] for argument in arguments)}
-    modes = sorted(given & set(HYDRA_MODES.values()))
-    if len(modes) > 1:
-        print(
-            f"error: {' with '.join(modes)}: Hydra does one of them per command; to print a sweep "
-            "job's config, drop -m and give each swept setting that job's one value",
-            file=sys.stderr,
+    """`-m ... --cfg job` ends in Hydra's ValueError traceback: refuse it in one line. Read as
+    Hydra reads its flags (-mc job, --multi), and let --help through, which Hydra answers first."""
+    args, _ = get_args_parser().parse_known_args(arguments)
+    given = {
+        "--run": args.run,
+        "--multirun": args.multirun,
+        "--cfg": args.cfg is not None,
+        "--info": args.info is not None,
+        "--shell-completion": args.shell_completion,
+    }
+    modes = [flag for flag, on in given.items() if on]
+    if len(modes) > 1 and not (args.help or args.hydra_help):
+        hint = (
+            "; to print a sweep job's config, drop -m and give each swept setting one value"
+            if args.multirun
+            else ""
         )
+        print(f"error: {' with '.join(modes)}: Hydra does one of them per command{hint}", file=sys.stderr)
         raise SystemExit(2)
 
 
