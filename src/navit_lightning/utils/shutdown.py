@@ -275,7 +275,8 @@ def explain_collective_failure(trainer: L.Trainer) -> Iterator[None]:
                 f"rank {trainer.global_rank}: the {trainer.world_size} ranks did not all join"
                 + (f" within {timeout:.0f} s" if timeout else "")
                 + f" ({error}): start every node's command with the same trainer.num_nodes, "
-                "MASTER_ADDR and MASTER_PORT, or raise trainer.strategy.startup_timeout_s"
+                "MASTER_ADDR and MASTER_PORT, or raise trainer.strategy.startup_timeout_s (with "
+                "strategy=ddp or ddp_spawn)"
             )
             log.error(f"error: {message}")
             raise job_end(message, 3) from None
