@@ -76,10 +76,8 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
             f"trainer.accelerator={accelerator} but no CUDA GPU is visible: use trainer.accelerator=cpu"
         )
     on_gpu = accelerator in GPU_ACCELERATORS or (accelerator == "auto" and gpus > 0)
-    if (
-        trainer.strategy == "auto"
-        and device_count(trainer.devices, gpus if on_gpu else 1) * trainer.num_nodes > 1
-    ):
+    visible_devices = gpus if on_gpu else 1  # what devices=-1 or auto takes
+    if trainer.strategy == "auto" and device_count(trainer.devices, visible_devices) * trainer.num_nodes > 1:
         # Lightning's choice would be its own DDPStrategy, whose ranks 1.. rerun the script
         # outside this Hydra job: a log file of each rank's, the whole sweep in each under -m
         with open_dict(trainer):
@@ -107,9 +105,9 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
         )
     if is_dp(trainer.strategy):
         check_dp(cfg, on_gpu)
-    check_sweep_launch(trainer, gpus if on_gpu else 1)
+    check_sweep_launch(trainer, visible_devices)
     check_nodes_can_meet(trainer.num_nodes)
-    check_launched_processes(trainer, gpus if on_gpu else 1)
+    check_launched_processes(trainer, visible_devices)
     if trainer.get("reload_dataloaders_every_n_epochs", 1) != 1:
         raise ConfigError(
             f"trainer.reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs}: "
