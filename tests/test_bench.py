@@ -3,6 +3,7 @@
 import importlib.util
 import math
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -76,8 +77,6 @@ def test_attention_benchmark_measures_every_layout_on_the_same_images(tmp_path, 
 
 
 def test_profile_parts_go_by_op_name_and_the_optimizer_by_caller():
-    from types import SimpleNamespace
-
     from navit_lightning.bench.profile import COMPILED, OPTIMIZER, OTHER, part_of
 
     def event(name, parent=None):
@@ -354,6 +353,10 @@ def test_the_summary_compares_against_the_right_row_of_each_kind():
     ]
 
 
+# the matmul probe measure_interleaved times between rounds, untimed
+UNTIMED_PROBE = SimpleNamespace(time=lambda: None, rate=1e12)
+
+
 def _bench_case(layout, backend, row_len, step_ms=None, compiled=False, trainer=None, batch=None):
     from navit_lightning.bench import attention
 
@@ -362,8 +365,6 @@ def _bench_case(layout, backend, row_len, step_ms=None, compiled=False, trainer=
 
 
 def test_a_case_is_judged_on_its_median_round(monkeypatch):
-    from types import SimpleNamespace
-
     from navit_lightning.bench import attention
 
     rounds = [0.1, 0.3, 0.2]
@@ -371,8 +372,7 @@ def test_a_case_is_judged_on_its_median_round(monkeypatch):
     net = torch.nn.Linear(1, 1)
     trainer = attention.Trainer(net, torch.optim.SGD(net.parameters(), lr=0.1), lambda batch: None)
     case = _bench_case("packed", "sdpa", 256, trainer=trainer)
-    probe = SimpleNamespace(time=lambda: None, rate=1e12)
-    attention.measure_interleaved([case], torch.device("cpu"), len(rounds), probe)
+    attention.measure_interleaved([case], torch.device("cpu"), len(rounds), UNTIMED_PROBE)
     assert case.result.round_ms == pytest.approx([100.0, 300.0, 200.0])
     assert case.result.step_ms == pytest.approx(200.0)
     assert case.result.patches_per_s == pytest.approx(case.result.real_tokens / 0.2)
@@ -380,8 +380,6 @@ def test_a_case_is_judged_on_its_median_round(monkeypatch):
 
 def test_a_cases_host_memory_peak_adds_the_parameters_and_optimizer_state(monkeypatch):
     """--memory: the profiled step's own peak, plus what stays resident between steps."""
-    from types import SimpleNamespace
-
     from navit_lightning.bench import attention
 
     step_peak = 3 * 2**20
@@ -390,8 +388,7 @@ def test_a_cases_host_memory_peak_adds_the_parameters_and_optimizer_state(monkey
     cpu = torch.device("cpu")
     trainer = attention.trainer_for(net, net, cpu, None)
     case = _bench_case("packed", "sdpa", 256, trainer=trainer, batch=torch.randn(4, 64))
-    probe = SimpleNamespace(time=lambda: None, rate=1e12)
-    attention.measure_interleaved([case], cpu, 1, probe, host_memory=True)
+    attention.measure_interleaved([case], cpu, 1, UNTIMED_PROBE, host_memory=True)
     state = trainer.state_bytes()
     assert state >= 3 * (64 * 64 + 64) * 4  # the parameters and AdamW's two moments
     assert case.result.peak_mib == pytest.approx((step_peak + state) / 2**20)
@@ -474,7 +471,6 @@ def test_the_step_clock_averages_the_steps_after_the_warmup():
 def test_the_bare_step_leaves_its_warmup_out_and_clips_gradients(monkeypatch):
     """A warm-up step of 10 s and steps of 1 s on a stubbed clock: a mean of 1 s."""
     import contextlib
-    from types import SimpleNamespace
 
     from navit_lightning.bench import step
 
@@ -520,8 +516,6 @@ def _stub_step_runs(monkeypatch, world_size=1, bare=(10.0, 99.0, 30.0)):
     turns deterministic algorithms on (warn only), as trainer.deterministic=warn does; each
     Lightning run records its overrides and turns them off; the bare steps (before, with the
     loader, after) give `bare` ms and record whether deterministic algorithms were on."""
-    from types import SimpleNamespace
-
     from omegaconf import OmegaConf
 
     from navit_lightning.bench import step
@@ -606,7 +600,6 @@ def test_the_optimizers_own_annotations_count_as_the_optimizer(monkeypatch):
     """Optimizer.step#AdamW.step's own time is the optimizer's Python: its name matches no
     part, and it has no optimizer caller. (The profiler stubbed: one such event of 6 ms.)"""
     import contextlib
-    from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
