@@ -81,13 +81,24 @@ def test_resuming_another_network_other_classes_or_an_ema_run_without_ema_is_ref
     ):
         check_resumable(model, config, path, False, classes)
     torch.save({**weights, "optimizer_states": []}, path)
-    check_resumable(*built_model("model.num_classes=3", "optimizer.lr=1e-2"), path, False, classes)
+    check_resumable(*built_model("model.num_classes=3", "optimizer.weight_decay=0.5"), path, False, classes)
+    # its rate and schedule resume as saved: the run trained at 5e-4, its config said 1e-2
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            f"ckpt_path={path} trained at optimizer.lr=0.0005, not 0.01: a resumed run keeps its "
+            f"checkpoint's rate and schedule; resume with optimizer.lr=0.0005, or start a fit from its "
+            f"weights with init_from={path}"
+        ),
+    ):
+        check_resumable(*built_model("model.num_classes=3", "optimizer.lr=1e-2"), path, False, classes)
+    check_resumable(
+        *built_model("model.num_classes=3", "optimizer.lr=1e-2"), path, False, classes, fitting=False
+    )
     with pytest.raises(
         ConfigError, match=re.escape("another network (model.net.dim=32 there, 64 here): resume")
     ):
-        check_resumable(
-            *built_model("model.num_classes=3", "model.net.dim=64", "optimizer.lr=1e-2"), path, True, classes
-        )
+        check_resumable(*built_model("model.num_classes=3", "model.net.dim=64"), path, True, classes)
     # another head: no model.net setting differs, the head's tensors do (Lightning failed in
     # every rank on a page of size mismatches)
     with pytest.raises(

@@ -241,13 +241,23 @@ def check_resumable(
     the data's; a renamed class folder would shift the labels without a word), and one
     written with callbacks=ema resumed without an averaging callback (Lightning would carry
     on from the average, which the checkpoint holds as its weights, and drop the trained
-    weights saved beside it), and one of weights alone (save_weights_only) for a fit, which
-    failed mid-start with a traceback, after writing a last.ckpt of its own."""
+    weights saved beside it), one of weights alone (save_weights_only) for a fit, which
+    failed mid-start with a traceback, after writing a last.ckpt of its own, and a fit at
+    another optimizer.lr (the rates and schedule resume as saved: the run would train at the
+    checkpoint's rate while its config and logged settings named the command's)."""
     checkpoint = read_checkpoint(ckpt_path)
     if fitting and "optimizer_states" not in checkpoint:
         raise ConfigError(
             f"ckpt_path={ckpt_path} holds weights alone (no optimizer or loop state to resume): "
             f"start a fit from them with init_from={ckpt_path} instead"
+        )
+    saved_lr = (checkpoint["run_config"]["model"].get("optimizer") or {}).get("lr")
+    lr = OmegaConf.select(model_config, "optimizer.lr")
+    if fitting and saved_lr != lr:
+        raise ConfigError(
+            f"ckpt_path={ckpt_path} trained at optimizer.lr={saved_lr}, not {lr}: a resumed run keeps "
+            f"its checkpoint's rate and schedule; resume with optimizer.lr={saved_lr}, or start a fit "
+            f"from its weights with init_from={ckpt_path}"
         )
     changes = setting_changes(checkpoint, model_config, "model.")
     network_changed = any(change.startswith("model.net.") for change in changes)
