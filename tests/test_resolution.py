@@ -2,6 +2,7 @@
 and TensorBoard entries that agree with a plain evaluation."""
 
 import csv
+import math
 import re
 from types import SimpleNamespace
 from unittest.mock import MagicMock, call
@@ -220,11 +221,15 @@ def test_budgets_past_the_position_tables_are_left_out_before_the_sweep(project_
 @pytest.mark.slow
 def test_a_run_without_validation_skips_the_sweep_with_a_line(run_entry_point):
     """trainer.limit_val_batches=0 let the whole run end in a KeyError: the sweep's
-    validations logged no accuracy."""
+    validations logged no accuracy. The HPARAMS tab showed its best val/acc at 0.0, the
+    placeholder (so did a run that trainer.max_steps ended before its first validation)."""
     result = run_entry_point("train.py", *TINY_RUN, "trainer.limit_val_batches=0")
     assert "patch_budgets skipped: trainer.limit_val_batches=0" in result.stdout + result.stderr
     run = run_folder(run_entry_point.root)
     assert not (run / "resolution_accuracy.csv").exists()
+    scalars = logged_scalars(run / "tensorboard")
+    assert math.isnan(scalars["hp/val_acc"][-1][1])
+    assert scalars["hp/test_acc"][-1][1] == scalars["test/acc"][-1][1]
 
 
 def test_curves_of_several_runs_in_one_figure(tmp_path):

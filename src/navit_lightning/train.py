@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -35,6 +36,10 @@ from navit_lightning.utils.validate import check_launch, check_monitors
 # the config switch of the stage that gives it). Only those the run gives are declared: the
 # others would show their placeholder, 0.0, as the run's result.
 HP_METRICS = {"hp/val_acc": ("val/acc_best", "train"), "hp/test_acc": ("test/acc", "test")}
+
+
+def declared_results(cfg: DictConfig) -> list[str]:
+    return [name for name, (_, switch) in HP_METRICS.items() if cfg.get(switch)]
 
 
 def build(
@@ -77,8 +82,7 @@ def build(
     )
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):  # its HPARAMS tab lists the metrics named here
-            declared = [name for name, (_, switch) in HP_METRICS.items() if cfg.get(switch)]
-            declared += list(EFFECTIVE_BATCH_METRICS) if cfg.get("train") else []
+            declared = declared_results(cfg) + (list(EFFECTIVE_BATCH_METRICS) if cfg.get("train") else [])
             logger.log_hyperparams(run_config, dict.fromkeys(declared, 0.0))
         else:
             logger.log_hyperparams(run_config)
@@ -110,7 +114,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     datamodule, model, trainer = build(cfg)
     with loggers_closed_on_failure(trainer):
         metrics = fit_and_test(cfg, datamodule, model, trainer)
-    final = {name: metrics[source] for name, (source, _) in HP_METRICS.items() if source in metrics}
+    # NaN for a declared result the run did not give (trainer.max_steps ended it before its
+    # first validation): its placeholder, 0.0, would read as the result
+    final = {name: metrics.get(HP_METRICS[name][0], math.nan) for name in declared_results(cfg)}
     finish_loggers(trainer, final)
     return metrics
 
