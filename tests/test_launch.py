@@ -134,6 +134,10 @@ def test_a_node_but_the_first_of_a_launch_by_hand_is_quiet(monkeypatch):
     monkeypatch.setenv("NODE_RANK", "1")
     monkeypatch.setattr(launch.sys, "argv", ["train.py"])
     assert launch.quiet_rank_overrides() == list(launch.QUIET_RANK_OVERRIDES)
+    # a rank Lightning starts there (trainer.devices=2): its command has them already, and
+    # Hydra refused the + setting given twice (the node's ranks died, node 0 waited)
+    monkeypatch.setattr(launch.sys, "argv", ["train.py", "seed=1", *launch.QUIET_RANK_OVERRIDES])
+    assert launch.quiet_rank_overrides() == []
 
 
 def test_runs_started_in_the_same_second_get_folders_of_their_own(monkeypatch, tmp_path):

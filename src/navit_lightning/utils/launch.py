@@ -57,12 +57,18 @@ def quiet_rank_overrides() -> list[str]:
 
 
 def quiet_overrides(arguments: Sequence[str]) -> list[str]:
-    """QUIET_RANK_OVERRIDES for a process but the first with these command-line `arguments`.
+    """QUIET_RANK_OVERRIDES for a process but the first with these command-line `arguments`,
+    but those they hold (a rank Lightning starts on a node but the first: its command has
+    them, and NODE_RANK asks for them again; Hydra refuses a `+` setting given twice).
     Their logging ones change the default job logging's handlers: a job logging the command
     chose (hydra/job_logging=stdout, disabled) may have none, and they would fail its start;
     RankZeroLogFile drops the file handler of a torchrun or SLURM task instead."""
     chosen = any(argument.lstrip("+~").startswith("hydra/job_logging=") for argument in arguments)
-    return [o for o in QUIET_RANK_OVERRIDES if not (chosen and o.lstrip("+").startswith("hydra.job_logging"))]
+    return [
+        o
+        for o in QUIET_RANK_OVERRIDES
+        if o not in arguments and not (chosen and o.lstrip("+").startswith("hydra.job_logging"))
+    ]
 
 
 def run_stamp(pattern: str) -> str:
