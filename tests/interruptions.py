@@ -14,14 +14,17 @@ class InterruptAtStep(L.Callback):
     memory); send the last rank's process SIGTERM (`how=sigterm`: what a cluster's scheduler
     sends before it stops a job, and which reaches the ranks at different moments, here the
     other ranks never), or SIGUSR1 (`how=sigusr1`: SLURM's warning before a time limit); or
-    send every rank's process SIGKILL (`how=sigkill`, a node lost: nothing runs after it)."""
+    send every rank's process SIGKILL (`how=sigkill`, a node lost: nothing runs after it).
+    Under torchrun, `attempt` N: in its N-th restart of the workers only (0: the first start)."""
 
-    def __init__(self, step: int, how: str, batch: int = 0) -> None:
-        self.step, self.how, self.batch = step, how, batch
+    def __init__(self, step: int, how: str, batch: int = 0, attempt: int | None = None) -> None:
+        self.step, self.how, self.batch, self.attempt = step, how, batch, attempt
         self.batches_seen = 0  # of global step `step`
 
     def on_train_batch_start(self, trainer: L.Trainer, *args) -> None:
         if trainer.global_step != self.step:
+            return
+        if self.attempt is not None and int(os.environ["TORCHELASTIC_RESTART_COUNT"]) != self.attempt:
             return
         self.batches_seen += 1
         if self.batches_seen != self.batch + 1:

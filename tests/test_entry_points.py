@@ -298,17 +298,39 @@ def test_a_job_logging_hydra_offers_runs(run_entry_point, ranks):
     assert not list(run.glob("*.log"))
 
 
-def test_torchrun_two_processes_on_cpu(run_entry_point):
+def test_torchrun_two_processes_on_cpu_and_a_restart_resumes(run_entry_point):
     """Lightning detects torchrun's environment and runs ddp in the processes it started;
-    they agree on one run folder (rank 0's clock) and rank 1 writes no log or .hydra."""
-    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2")
+    they agree on one run folder (rank 0's clock) and rank 1 writes no log or .hydra. Both
+    killed in epoch 1, torchrun starts them again (--max-restarts), and the new group resumes
+    from epoch 0's last.ckpt in that folder: it failed to connect, having read the last
+    group's addresses in the agent's store."""
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1")
+    killed = [
+        "+callbacks.interrupt._target_=tests.interruptions.InterruptAtStep",
+        "+callbacks.interrupt.step=5",  # of 4 a rank an epoch
+        "+callbacks.interrupt.how=sigkill",
+        "+callbacks.interrupt.attempt=0",
+    ]
     run_entry_point(
         "train.py",
         *TINY_RUN,
         *DDP_TWO_RANKS,
+        "trainer.max_epochs=2",
+        "ckpt_path=last",
+        *killed,
         launcher=torchrun,
     )
-    assert_written_once_by_rank_zero(run_folder(run_entry_point.root))
+    run = run_folder(run_entry_point.root)
+    assert_run_folder(run)
+    assert [path.name for path in run.glob("*.log")] == ["train.log"]
+    log = (run / "train.log").read_text()
+    assert "[rank: 1]" not in log and "GLOBAL_RANK: 1" not in log and log.count("Config:") == 2  # 2 starts
+    assert f"Restored all states from the checkpoint at {run / 'checkpoints' / 'last.ckpt'}" in log
+    # epoch 0 as the first start planned it, then epoch 1 as the restart trained it
+    first_epoch = re.search(r"train: (\d+) batches per epoch on each of 2 rank", log).group(1)
+    second_epoch = re.search(r"training batches per rank: \[(\d+), \1\]", log).group(1)
+    last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert (last["epoch"], last["global_step"]) == (1, int(first_epoch) + int(second_epoch))
 
 
 def test_same_seed_same_command_same_losses(run_entry_point):

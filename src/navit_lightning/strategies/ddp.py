@@ -191,11 +191,34 @@ class HydraDDPStrategy(DDPStrategy):
         torchmetrics_rank_zero_only.rank = self.global_rank
 
     def setup_distributed(self) -> None:
-        super().setup_distributed()
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        if agent_store and not torch.distributed.is_initialized():  # joined in an earlier stage
+            self._join_under_this_starts_prefix()
+        super().setup_distributed()  # Lightning's: joins the group, where not joined above
         # torch has no public way to set a process group's timeout after it was created
         _set_pg_timeout(timedelta(seconds=self.collective_timeout_s))
         atexit.unregister(_destroy_process_group)  # once per process, however many stages
         atexit.register(_destroy_process_group)
+
+    def _join_under_this_starts_prefix(self) -> None:
+        """torchrun's agent keeps one store for the worker groups it restarts (--max-restarts):
+        a restarted group read the last one's gloo addresses there and failed to connect
+        ("Gloo connectFullMesh failed", torch issue 135712). Each start joins under its own
+        prefix, as torch did before it shared the agent's store."""
+        self.set_world_ranks()
+        agent_store = torch.distributed.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=self._timeout
+        )
+        torch.distributed.init_process_group(
+            self._get_process_group_backend(),
+            store=torch.distributed.PrefixStore(
+                f"start_{os.environ['TORCHELASTIC_RESTART_COUNT']}", agent_store
+            ),
+            rank=self.global_rank,
+            world_size=self.world_size,
+            timeout=self._timeout,
+            device_id=self.root_device if self.root_device.type != "cpu" else None,
+        )
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
