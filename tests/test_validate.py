@@ -231,6 +231,17 @@ def launched_by(monkeypatch, launcher: dict[str, str]) -> None:
             r"the SLURM job has 2 task\(s\) \(SLURM_NTASKS\), one process each under srun, but trainer",
         ),
         ({"SLURM_NTASKS": "4", "SLURM_JOB_NAME": "train"}, [], None),  # one device in an allocation
+        # each of them started two more ranks: two groups met on one store
+        (
+            TORCHRUN | {"WORLD_SIZE": "2"},
+            ["strategy=ddp_spawn", "trainer.devices=2"],
+            r"torchrun started 2 process\(es\): strategy=ddp_spawn would start the ranks again in each; use",
+        ),
+        (
+            {"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train"},
+            ["trainer.strategy=ddp_spawn", "trainer.devices=2"],
+            r"one process each under srun: strategy=ddp_spawn would start the ranks again in each; use",
+        ),
         (TORCHRUN | {"WORLD_SIZE": "4"}, ["strategy=ddp", "trainer.devices=2", "trainer.num_nodes=2"], None),
     ],
 )

@@ -305,15 +305,22 @@ def check_sweep_launch(trainer: DictConfig, visible_devices: int) -> None:
     strategy = trainer.strategy
     if not isinstance(strategy, str) or any(env.detect() for env in NODE_LAUNCHERS):
         return
-    # ranks started in-process (ddp_spawn, ddp_fork) run the job itself; the others as scripts
-    registered = StrategyRegistry[strategy]["init_params"] if strategy in StrategyRegistry else {}
-    if registered.get("start_method") in ("spawn", "fork"):
+    if starts_ranks_in_process(strategy):  # they run the job itself; the others run it as scripts
         return
     if device_count(trainer.devices, visible_devices) > 1 or trainer.num_nodes > 1:
         raise ConfigError(
             f"trainer.strategy={strategy} with trainer.devices={trainer.devices} in a sweep (-m): "
             "Lightning's launcher would start every rank as the whole sweep; use strategy=ddp"
         )
+
+
+def starts_ranks_in_process(strategy: object) -> bool:
+    """ddp_spawn and ddp_fork, Lightning's names or the strategy group's: the processes of the
+    ranks start from the training process, not as scripts."""
+    if isinstance(strategy, DictConfig):
+        return strategy.get("start_method") in ("spawn", "fork")
+    registered = StrategyRegistry[strategy]["init_params"] if strategy in StrategyRegistry else {}
+    return registered.get("start_method") in ("spawn", "fork")
 
 
 def device_count(devices: object, visible_devices: int) -> int:
@@ -353,7 +360,8 @@ def check_launched_processes(trainer: DictConfig, visible_devices: int) -> None:
     trainer.devices x trainer.num_nodes: where the two differ, every process ended in a
     traceback of Lightning's (or, with one device, trained a whole run of its own). A
     one-device run inside a SLURM allocation may run without srun, where SLURM_NTASKS is
-    the allocation's."""
+    the allocation's. There ddp_spawn started its ranks again in every process: two groups
+    on one store, and a traceback."""
     devices = device_count(trainer.devices, visible_devices)
     if TorchElasticEnvironment.detect():
         started = int(os.environ.get("WORLD_SIZE", 1))
@@ -365,6 +373,10 @@ def check_launched_processes(trainer: DictConfig, visible_devices: int) -> None:
         fix = "the tasks per node (--ntasks-per-node) and trainer.num_nodes the nodes"
     else:
         return
+    if starts_ranks_in_process(trainer.strategy):
+        raise ConfigError(
+            f"{launched}: strategy=ddp_spawn would start the ranks again in each; use strategy=ddp"
+        )
     if devices * trainer.num_nodes != started:
         raise ConfigError(
             f"{launched}, but trainer.devices={trainer.devices} x trainer.num_nodes={trainer.num_nodes} "
