@@ -591,6 +591,27 @@ def assert_resumed_exactly(whole: Path, stopped: Path, first_events: set[Path], 
 
 
 @pytest.mark.slow
+def test_a_run_that_max_steps_ended_within_an_epoch_resumes_exactly(run_entry_point):
+    """trainer.max_steps=4 ends epoch 0 (8 batches) at its validation halfway: Lightning
+    counted the epoch as over, and the same command with max_steps=12 trained its last 4
+    batches as epoch 1, then stopped at max_epochs=2 at step 8 (an early stop at such a
+    validation alike); kept from the validation's form, it logged each step one too high."""
+    command = [*TINY_RUN, "trainer.max_epochs=2", "trainer.val_check_interval=0.5", "model.scheduler=null"]
+    command += ["test=false", "patch_budgets=null"]
+    whole, stopped = run_entry_point.root / "whole", run_entry_point.root / "stopped"
+    run_entry_point("train.py", *command, "trainer.max_steps=12", f"hydra.run.dir={whole}")
+    run_entry_point("train.py", *command, "trainer.max_steps=4", f"hydra.run.dir={stopped}")
+    first_events = set((stopped / "tensorboard").iterdir())
+    run_entry_point(
+        "train.py", *command, "trainer.max_steps=12", f"hydra.run.dir={stopped}", "ckpt_path=last"
+    )
+    assert_resumed_exactly(whole, stopped, first_events, 4)
+    logged = [logged_scalars(run / "tensorboard") for run in (whole, stopped)]
+    assert [step for step, _ in logged[0]["val/acc"]] == [step for step, _ in logged[1]["val/acc"]]
+    assert dict(logged[0]["epoch"]) == dict(logged[1]["epoch"])  # each step in its epoch
+
+
+@pytest.mark.slow
 def test_an_error_inside_an_accumulation_window_resumes_from_its_start(run_entry_point):
     """With trainer.accumulate_grad_batches=2 a step takes two batches, and no checkpoint
     holds the gradients of the first. An error at step 2's second batch saves last.ckpt as

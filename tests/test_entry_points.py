@@ -113,9 +113,14 @@ def test_train_then_eval_reports_accuracy(run_entry_point):
     )
 
 
-def test_debug_fdr_runs_a_batch_of_each_stage_and_writes_nothing_but_hydras_own(run_entry_point):
-    """It ran the sweep of patch budgets too: four more evaluations, and their csv and figure."""
-    result = run_entry_point("train.py", *TINY_RUN, "debug=fdr")
+@pytest.mark.parametrize(
+    "callbacks", [[], ["callbacks=default", "callbacks.learning_rate_monitor=null"]], ids=["none", "default"]
+)
+def test_debug_fdr_runs_a_batch_of_each_stage_and_writes_nothing_but_hydras_own(run_entry_point, callbacks):
+    """It ran the sweep of patch budgets too: four more evaluations, and their csv and figure.
+    With the default callbacks it wrote checkpoints/last.ckpt (Lightning's save at the end of
+    fit, which fast_dev_run did not stop)."""
+    result = run_entry_point("train.py", *TINY_RUN, "debug=fdr", *callbacks)
     assert "Running in `fast_dev_run` mode" in result.stdout + result.stderr
     run = run_folder(run_entry_point.root)
     assert sorted(path.name for path in run.iterdir()) == [".hydra", "train.log"]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import zipfile
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -87,8 +88,16 @@ class ResumeCheckpoint(ModelCheckpoint):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # after the epoch's validation: resuming from here starts the next epoch
-        if not self._should_skip_saving_checkpoint(trainer):
+        if self._should_skip_saving_checkpoint(trainer):
+            return
+        with saved_as_within_epoch(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning's saves last.ckpt here where no save came at the last step: also under
+        # trainer.fast_dev_run (debug=fdr), which writes nothing
+        if not self._should_skip_saving_checkpoint(trainer):
+            super().on_train_end(trainer, pl_module)
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
@@ -119,6 +128,29 @@ class ResumeCheckpoint(ModelCheckpoint):
                 f"stopped at step {trainer.global_step} ({type(exception).__name__}): saved "
                 f"{self.last_model_path}, which ckpt_path=last resumes from"
             )
+
+
+@contextmanager
+def saved_as_within_epoch(trainer: L.Trainer) -> Iterator[None]:
+    """An epoch cut short (trainer.max_steps, an early stop at a validation within it) is
+    saved as a stop within it, which a resume goes on from: Lightning counted it as over, and
+    the resume trained its rest as the next epoch, one epoch short of the run. Where a
+    validation was due at the stop, in the form of a save at that validation's end, whose
+    resume counts the step for the loggers (they logged every later step one too high)."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    epoch_progress = trainer.fit_loop.epoch_progress
+    progress = epoch_loop.batch_progress
+    cut_short = int(not progress.is_last_batch and progress.current.processed < trainer.num_training_batches)
+    validated = cut_short and epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+    epoch_progress.current.processed -= cut_short
+    epoch_progress.total.processed -= cut_short
+    epoch_loop._batches_that_stepped -= validated
+    try:
+        yield
+    finally:
+        epoch_progress.current.processed += cut_short
+        epoch_progress.total.processed += cut_short
+        epoch_loop._batches_that_stepped += validated
 
 
 def batches_stepped(trainer: L.Trainer) -> int:
