@@ -55,7 +55,12 @@ def config(*overrides: str):
         (0, ["model.net.attention=varlen"], "varlen is flash attention on CUDA: on CPU use"),
         (2, ["model.net.attention=varlen"], "needs bf16 or fp16 but trainer.precision=32-true"),
         (0, ["model.net.attention=flex"], "flex cannot train on CPU"),
-        (0, ["~logger"], "callbacks.learning_rate_monitor needs a logger: with ~logger add"),
+        (0, ["~logger"], "callbacks.learning_rate_monitor needs a logger and the config has none (~logger"),
+        (
+            0,
+            ["~logger", "callbacks=device_stats", "callbacks.learning_rate_monitor=null"],
+            "has none (~logger, debug=fdr): add callbacks.device_stats=null, or keep logger=tensorboard",
+        ),
         (0, ["trainer.reload_dataloaders_every_n_epochs=0"], "so it must rebuild it every epoch: keep 1"),
         (0, ["patch_budgets=[16,0]"], "must be a list of positive patch counts, e.g. patch_budgets="),
         (0, ["patch_budgets=36"], "must be a list of positive patch counts"),

@@ -36,6 +36,8 @@ MIXED_PRECISIONS = {"bf16-mixed", "16-mixed", "bf16", "16"}
 DP_TARGET = "navit_lightning.strategies.PackedDataParallelStrategy"
 # strategy=ddp's (its settings are the class's defaults)
 HYDRA_DDP_TARGET = "navit_lightning.strategies.HydraDDPStrategy"
+# Lightning's callbacks that log, and end a fit without a logger in a traceback
+CALLBACKS_NEEDING_A_LOGGER = (".LearningRateMonitor", ".DeviceStatsMonitor")
 STRATEGY_OPTIONS = sorted(path.stem for path in (Path(CONFIG_DIR) / "strategy").glob("*.yaml"))
 # What the configs leave as ??? for the command line to fill in, with an example value.
 REQUIRED_EXAMPLES = {
@@ -133,11 +135,16 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
                 f"model.net.channels={cfg.model.net.channels}: the data module gives RGB patches "
                 "(grey images too are converted to RGB); keep 3"
             )
-        if not cfg.get("logger") and (cfg.get("callbacks") or {}).get("learning_rate_monitor"):
-            # Lightning's LearningRateMonitor fails at the start of fit without a logger
+        logging_callbacks = [
+            name
+            for name, callback in (cfg.get("callbacks") or {}).items()
+            if callback and str(callback.get("_target_")).endswith(CALLBACKS_NEEDING_A_LOGGER)
+        ]
+        if not cfg.get("logger") and logging_callbacks:
+            # Lightning's fail at the start of fit without a logger, in a traceback
             raise ConfigError(
-                "callbacks.learning_rate_monitor needs a logger: with ~logger add "
-                "callbacks.learning_rate_monitor=null, or keep logger=tensorboard"
+                f"callbacks.{logging_callbacks[0]} needs a logger and the config has none (~logger, "
+                f"debug=fdr): add callbacks.{logging_callbacks[0]}=null, or keep logger=tensorboard"
             )
         ckpt_path = cfg.get("ckpt_path")
         if not cfg.get("train", True) and ckpt_path is None:
