@@ -79,6 +79,8 @@ def test_mlflow_logger_keeps_runs_in_one_local_database_and_a_resumed_run_goes_o
     (stored,) = client.search_runs([experiment])
     assert stored.info.status == "FINISHED"
     assert stored.data.tags["run_dir"] == str(run)
+    # named after its folder, not by MLflow's draw from Python's random, which the seed set
+    assert stored.info.run_name == f"runs/{run.name}"
     assert stored.data.params["model/net/dim"] == "32"
     assert {"val/acc", "test/acc"} <= set(stored.data.metrics)
     losses = client.get_metric_history(stored.info.run_id, "train/loss_step")

@@ -70,6 +70,11 @@ class ResumableMLFlowLogger(MLFlowLogger):
     status."""
 
     def __init__(self, *args: Any, resume_from: str | None = None, **kwargs: Any) -> None:
+        run_dir = (kwargs.get("tags") or {}).get("run_dir")
+        if kwargs.get("run_name") is None and run_dir:
+            # MLflow draws a name from Python's random, which the run's seed sets: every run of
+            # a seed had one name. Its folder's: runs/<stamp>, or <sweep stamp>/<job number>
+            kwargs["run_name"] = "/".join(Path(run_dir).parts[-2:])
         super().__init__(*args, **kwargs)
         self._resume_from = resume_from
         self._taken_up = False  # an earlier run, to which this start has logged no metric yet
