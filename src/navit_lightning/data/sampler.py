@@ -334,7 +334,10 @@ def _size_array(sizes: Sequence[tuple[int, int]] | np.ndarray) -> np.ndarray:
     return np.fromiter(chain.from_iterable(sizes), dtype=np.int64, count=2 * len(sizes)).reshape(-1, 2)
 
 
-RESUME_AT_EPOCH_END = "or resume from a checkpoint taken at the end of an epoch (checkpoints/epoch_*.ckpt)"
+RESUME_AT_EPOCH_END = (
+    "or resume from a checkpoint taken at the end of an epoch (checkpoints/epoch_*.ckpt where "
+    "trainer.val_check_interval is 1.0)"
+)
 
 
 def stopped_at(position: Mapping[str, Any]) -> str:
