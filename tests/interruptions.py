@@ -14,7 +14,8 @@ class InterruptAtStep(L.Callback):
     memory); send the last rank's process SIGTERM (`how=sigterm`: what a cluster's scheduler
     sends before it stops a job, and which reaches the ranks at different moments, here the
     other ranks never), or SIGUSR1 (`how=sigusr1`: SLURM's warning before a time limit); or
-    send every rank's process SIGKILL (`how=sigkill`, a node lost: nothing runs after it).
+    send every rank's process SIGKILL (`how=sigkill`, a node lost: nothing runs after it);
+    or ask the trainer to stop after that batch (`how=should_stop`, as trainer.max_time does).
     Under torchrun, `attempt` N: in its N-th restart of the workers only (0: the first start)."""
 
     def __init__(self, step: int, how: str, batch: int = 0, attempt: int | None = None) -> None:
@@ -32,6 +33,8 @@ class InterruptAtStep(L.Callback):
         last_rank = trainer.global_rank == trainer.world_size - 1
         if self.how == "error" or (self.how == "error_on_last_rank" and last_rank):
             raise RuntimeError(f"interrupted at step {self.step} on purpose")
+        if self.how == "should_stop":
+            trainer.should_stop = True
         if self.how == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.how in ("sigterm", "sigusr1") and last_rank:

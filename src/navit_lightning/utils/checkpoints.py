@@ -136,12 +136,18 @@ def saved_as_within_epoch(trainer: L.Trainer) -> Iterator[None]:
     saved as a stop within it, which a resume goes on from: Lightning counted it as over, and
     the resume trained its rest as the next epoch, one epoch short of the run. Where a
     validation was due at the stop, in the form of a save at that validation's end, whose
-    resume counts the step for the loggers (they logged every later step one too high)."""
+    resume counts the step for the loggers (they logged every later step one too high). Due
+    as the resume decides it, without the stop's request: Lightning validates at any
+    trainer.should_stop (trainer.max_time's), its resume does not, and it counted none."""
     epoch_loop = trainer.fit_loop.epoch_loop
     epoch_progress = trainer.fit_loop.epoch_progress
     progress = epoch_loop.batch_progress
     cut_short = int(not progress.is_last_batch and progress.current.processed < trainer.num_training_batches)
-    validated = cut_short and epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+    stopping, trainer.should_stop = trainer.should_stop, False
+    try:
+        validated = cut_short and epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+    finally:
+        trainer.should_stop = stopping
     epoch_progress.current.processed -= cut_short
     epoch_progress.total.processed -= cut_short
     epoch_loop._batches_that_stepped -= validated
