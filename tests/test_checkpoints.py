@@ -590,45 +590,32 @@ def assert_resumed_exactly(whole: Path, stopped: Path, first_events: set[Path], 
     assert all(torch.equal(ends[0]["state_dict"][k], ends[1]["state_dict"][k]) for k in ends[0]["state_dict"])
 
 
-STOP_ASKED_AT_STEP_10 = [
-    "+callbacks.interrupt._target_=tests.interruptions.InterruptAtStep",
-    "+callbacks.interrupt.step=10",
-    "+callbacks.interrupt.how=should_stop",
-]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("common", "whole_run", "first_run", "saved_at"),
-    [
-        (["trainer.val_check_interval=0.5"], ["trainer.max_steps=12"], ["trainer.max_steps=4"], 4),
-        ([], [], STOP_ASKED_AT_STEP_10, 11),
-    ],
-    ids=["max_steps-at-a-validation", "should_stop"],
-)
-def test_a_run_that_ended_within_an_epoch_resumes_exactly(
-    run_entry_point, common, whole_run, first_run, saved_at
-):
+def test_a_run_that_ended_within_an_epoch_resumes_exactly(run_entry_point):
     """trainer.max_steps=4 ends epoch 0 (8 batches) at its validation halfway: Lightning
     counted the epoch as over, and the same command with max_steps=12 trained its last 4
     batches as epoch 1, then stopped at max_epochs=2 at step 8 (an early stop at such a
     validation alike); kept from the validation's form, it logged each step one too high. A
     stop asked in epoch 1 (trainer.max_time's) was taken for that form: one too low."""
-    command = [*TINY_RUN, *common, "trainer.max_epochs=2", "model.scheduler=null", "test=false"]
-    command += ["patch_budgets=null"]
-    whole, stopped = run_entry_point.root / "whole", run_entry_point.root / "stopped"
-    run_entry_point("train.py", *command, *whole_run, f"hydra.run.dir={whole}")
-    run_entry_point("train.py", *command, *first_run, f"hydra.run.dir={stopped}")
-    first_events = set((stopped / "tensorboard").iterdir())
-    run_entry_point("train.py", *command, *whole_run, f"hydra.run.dir={stopped}", "ckpt_path=last")
-    assert_resumed_exactly(whole, stopped, first_events, saved_at)
-    # the validations after it at the same steps (the stop asked for one of its own, at step 10)
-    validated = [
-        [step for step, _ in logged_scalars(run / "tensorboard")["val/acc"]] for run in (whole, stopped)
-    ]
-    assert [step for step in validated[0] if step >= saved_at] == [
-        step for step in validated[1] if step >= saved_at
-    ]
+    command = [*TINY_RUN, "trainer.max_epochs=2", "trainer.val_check_interval=0.5", "model.scheduler=null"]
+    command += ["test=false", "patch_budgets=null", "trainer.max_steps=12"]
+    stop_asked = ["+callbacks.interrupt._target_=tests.interruptions.InterruptAtStep"]
+    stop_asked += ["+callbacks.interrupt.step=10", "+callbacks.interrupt.how=should_stop"]
+    whole = run_entry_point.root / "whole"
+    run_entry_point("train.py", *command, f"hydra.run.dir={whole}")
+    for first_run, saved_at in ((["trainer.max_steps=4"], 4), (stop_asked, 11)):
+        stopped = run_entry_point.root / f"stopped_at_{saved_at}"
+        run_entry_point("train.py", *command, *first_run, f"hydra.run.dir={stopped}")
+        first_events = set((stopped / "tensorboard").iterdir())
+        run_entry_point("train.py", *command, f"hydra.run.dir={stopped}", "ckpt_path=last")
+        assert_resumed_exactly(whole, stopped, first_events, saved_at)
+        # the validations after it at the same steps (the stop asked for one of its own)
+        validated = [
+            [step for step, _ in logged_scalars(run / "tensorboard")["val/acc"]] for run in (whole, stopped)
+        ]
+        assert [step for step in validated[0] if step >= saved_at] == [
+            s for s in validated[1] if s >= saved_at
+        ]
 
 
 @pytest.mark.slow
