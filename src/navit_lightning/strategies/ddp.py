@@ -53,7 +53,7 @@ from torchmetrics.utilities.prints import rank_zero_only as torchmetrics_rank_ze
 import __main__
 from navit_lightning.errors import ConfigError
 from navit_lightning.utils.entry_point import refusal, tidy_lightning_output
-from navit_lightning.utils.launch import in_sweep, quiet_overrides
+from navit_lightning.utils.launch import in_sweep, quiet_overrides, torchrun_agent_store
 from navit_lightning.utils.shutdown import end_promptly_on_signals
 
 # Hydra settings a rank's command sets below, in place of the parent's (hydra.mode=MULTIRUN
@@ -191,8 +191,8 @@ class HydraDDPStrategy(DDPStrategy):
         torchmetrics_rank_zero_only.rank = self.global_rank
 
     def setup_distributed(self) -> None:
-        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        if agent_store and not torch.distributed.is_initialized():  # joined in an earlier stage
+        on_agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        if on_agent_store and not torch.distributed.is_initialized():  # joined in an earlier stage
             self._join_under_this_starts_prefix()
         super().setup_distributed()  # Lightning's: joins the group, where not joined above
         # torch has no public way to set a process group's timeout after it was created
@@ -206,9 +206,7 @@ class HydraDDPStrategy(DDPStrategy):
         ("Gloo connectFullMesh failed", torch issue 135712). Each start joins under its own
         prefix, as torch did before it shared the agent's store."""
         self.set_world_ranks()
-        agent_store = torch.distributed.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=self._timeout
-        )
+        agent_store = torchrun_agent_store(self._timeout)
         torch.distributed.init_process_group(
             self._get_process_group_backend(),
             store=torch.distributed.PrefixStore(

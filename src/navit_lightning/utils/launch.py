@@ -90,13 +90,15 @@ def run_stamp(pattern: str) -> str:
 OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True, use_cache=True)
 
 
-def _shared_through_torchrun_store(stamp: str) -> str:
-    store = torch.distributed.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timedelta(minutes=5),
+def torchrun_agent_store(timeout: timedelta) -> torch.distributed.TCPStore:
+    """A client of the store torchrun's agent keeps for the worker groups it starts."""
+    return torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
     )
+
+
+def _shared_through_torchrun_store(stamp: str) -> str:
+    store = torchrun_agent_store(timedelta(minutes=5))
     # Set once: a worker group torchrun restarts (--max-restarts) takes the first one's folder,
     # where ckpt_path=last finds the checkpoint it left (a folder of its own began afresh).
     if int(os.environ["RANK"]) == 0:

@@ -325,9 +325,10 @@ def starts_ranks_in_process(strategy: object) -> bool:
     """ddp_spawn and ddp_fork, Lightning's names or the strategy group's: the processes of the
     ranks start from the training process, not as scripts."""
     if isinstance(strategy, DictConfig):
-        return strategy.get("start_method") in ("spawn", "fork")
-    registered = StrategyRegistry[strategy]["init_params"] if strategy in StrategyRegistry else {}
-    return registered.get("start_method") in ("spawn", "fork")
+        settings = strategy
+    else:
+        settings = StrategyRegistry[strategy]["init_params"] if strategy in StrategyRegistry else {}
+    return settings.get("start_method") in ("spawn", "fork")
 
 
 def device_count(devices: object, visible_devices: int) -> int:
