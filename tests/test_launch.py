@@ -72,13 +72,16 @@ def test_slurm_tasks_name_the_run_by_job_and_step(monkeypatch):
     "env",
     [
         {},
-        {"SLURM_NTASKS": "1", "SLURM_PROCID": "0"},
+        {"SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"},
+        # a SLURM job's batch script: one process, though the job has 4 tasks; runs after each
+        # other there shared the folder slurm-<job>.0
+        {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_JOB_ID": "7"},
         {"NODE_RANK": "0"},
         {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "1", "RANK": "0"},  # torchrun --nproc_per_node=1
     ],
 )
 def test_a_lone_process_uses_its_clock_and_writes_everything(monkeypatch, env):
-    for name in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID", "NODE_RANK"):
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_STEP_ID", "NODE_RANK"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -107,6 +110,7 @@ def test_only_rank_zero_of_a_slurm_launch_keeps_the_log_file(monkeypatch, tmp_pa
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
     monkeypatch.setenv("SLURM_PROCID", procid)
     monkeypatch.setattr(launch.sys, "argv", ["train.py"])
     assert launch.quiet_rank_overrides() == ([] if keeps_file else list(launch.QUIET_RANK_OVERRIDES))

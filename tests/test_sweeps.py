@@ -183,7 +183,7 @@ def test_a_sweep_of_a_setting_beside_the_search_is_refused_with_one_line(run_ent
     "launch",
     [
         {"TORCHELASTIC_RUN_ID": "x", "WORLD_SIZE": "2", "RANK": "0"},
-        {"SLURM_NTASKS": "2", "SLURM_PROCID": "0"},
+        {"SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"},
     ],
     ids=["torchrun", "srun"],
 )

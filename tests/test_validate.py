@@ -208,6 +208,10 @@ def test_devices_are_counted_as_lightning_reads_them(devices, count):
 
 # What torchrun sets in each process, but the number of processes, WORLD_SIZE.
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "myrun", "RANK": "0", "LOCAL_RANK": "0"}
+# What SLURM sets in a job's batch script, but the number of tasks, SLURM_NTASKS; srun adds its
+# step's id in the tasks it starts.
+SLURM_BATCH = {"SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "7", "SLURM_PROCID": "0"}
+SRUN = SLURM_BATCH | {"SLURM_STEP_ID": "0"}
 
 
 def launched_by(monkeypatch, launcher: dict[str, str]) -> None:
@@ -231,11 +235,20 @@ def launched_by(monkeypatch, launcher: dict[str, str]) -> None:
         ),
         (TORCHRUN | {"WORLD_SIZE": "1"}, ["strategy=ddp", "trainer.devices=2"], "torchrun started 1 process"),
         (
-            {"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train"},
+            SRUN | {"SLURM_NTASKS": "2"},
             ["strategy=ddp"],
             r"the SLURM job has 2 task\(s\) \(SLURM_NTASKS\), one process each under srun, but trainer",
         ),
-        ({"SLURM_NTASKS": "4", "SLURM_JOB_NAME": "train"}, [], None),  # one device in an allocation
+        # each task trained a whole run of its own, all in one folder
+        (SRUN | {"SLURM_NTASKS": "2"}, [], r"one process each under srun, but trainer.devices=1 x"),
+        (SRUN | {"SLURM_NTASKS": "1"}, [], None),
+        (SLURM_BATCH | {"SLURM_NTASKS": "4"}, [], None),  # one device in the batch script
+        # it waited for the ranks srun would have started
+        (
+            SLURM_BATCH | {"SLURM_NTASKS": "2"},
+            ["strategy=ddp", "trainer.devices=2"],
+            r"the SLURM job has 2 tasks \(SLURM_NTASKS\) and this process is none of them: start the run",
+        ),
         # each of them started two more ranks: two groups met on one store
         (
             TORCHRUN | {"WORLD_SIZE": "2"},
@@ -243,7 +256,7 @@ def launched_by(monkeypatch, launcher: dict[str, str]) -> None:
             r"torchrun started 2 process\(es\): strategy=ddp_spawn would start the ranks again in each; use",
         ),
         (
-            {"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train"},
+            SRUN | {"SLURM_NTASKS": "2"},
             ["trainer.strategy=ddp_spawn", "trainer.devices=2"],
             r"one process each under srun: strategy=ddp_spawn would start the ranks again in each; use",
         ),
@@ -268,7 +281,7 @@ def test_a_sweeps_ranks_that_srun_started_are_no_sweep_of_lightnings_launcher(mo
     one per device, with trainer.strategy=ddp runs each job in the tasks srun started (they
     share the first task's sweep folder), and must not be refused as the launcher's would be."""
     monkeypatch.setattr(validate, "in_sweep", lambda: True)
-    launched_by(monkeypatch, {"SLURM_NTASKS": "2", "SLURM_JOB_NAME": "train"})
+    launched_by(monkeypatch, SRUN | {"SLURM_NTASKS": "2"})
     trainer = config("trainer.accelerator=cpu", "trainer.strategy=ddp", "trainer.devices=2").trainer
     validate.check_sweep_launch(trainer, 1)
 
@@ -337,7 +350,7 @@ def test_eval_and_predict_take_seed_null(task, given):
         ({}, True),
         ({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "NODE_RANK": "1"}, False),
         (TORCHRUN | {"WORLD_SIZE": "8"}, False),
-        ({"SLURM_NTASKS": "8", "SLURM_JOB_NAME": "train"}, False),
+        (SRUN | {"SLURM_NTASKS": "8"}, False),
     ],
     ids=["none", "by hand", "torchrun", "slurm"],
 )

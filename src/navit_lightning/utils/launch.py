@@ -33,13 +33,20 @@ QUIET_RANK_OVERRIDES = (
 STAMP_KEY = "navit_lightning/run_stamp"
 
 
+def is_srun_task() -> bool:
+    """Whether srun started this process as a task of a job step. SLURM_NTASKS and
+    SLURM_PROCID are the job's in its batch script (sbatch) and salloc's shell too, where
+    one process runs; SLURM_STEP_ID is srun's alone."""
+    return "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ
+
+
 def external_launch_rank() -> int | None:
     """This process's global rank when torchrun or SLURM (srun) started several; the node's
     rank of a launch by hand on a node but the first (NODE_RANK=1 python train.py ...: not
     0, which is rank 0's, but quiet as a rank above it); else None."""
     if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         return int(os.environ["RANK"])
-    if int(os.environ.get("SLURM_NTASKS", 1)) > 1 and "SLURM_PROCID" in os.environ:
+    if is_srun_task() and int(os.environ.get("SLURM_NTASKS", 1)) > 1:
         return int(os.environ["SLURM_PROCID"])
     if int(os.environ.get("NODE_RANK", 0)) > 0:
         return int(os.environ["NODE_RANK"])
@@ -80,7 +87,7 @@ def run_stamp(pattern: str) -> str:
         return stamp
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return _shared_through_torchrun_store(stamp)
-    if "SLURM_JOB_ID" in os.environ:
+    if is_srun_task():
         return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', 0)}"
     return stamp
 

@@ -24,7 +24,7 @@ from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError, is_count, is_whole, require_counts
 from navit_lightning.utils.checkpoints import CKPT_PATH_EXAMPLE, LIGHTNING_CKPT_NAMES, read_checkpoint
 from navit_lightning.utils.instantiate import dotted_settings
-from navit_lightning.utils.launch import in_sweep
+from navit_lightning.utils.launch import in_sweep, is_srun_task
 from navit_lightning.utils.schedules import check_lr_scaling
 
 GPU_ACCELERATORS = {"gpu", "cuda"}
@@ -366,17 +366,25 @@ def check_nodes_can_meet(num_nodes: int) -> None:
 def check_launched_processes(trainer: DictConfig, visible_devices: int) -> None:
     """Under torchrun and srun the launcher starts the processes and Lightning counts them as
     trainer.devices x trainer.num_nodes: where the two differ, every process ended in a
-    traceback of Lightning's (or, with one device, trained a whole run of its own). A
-    one-device run inside a SLURM allocation may run without srun, where SLURM_NTASKS is
-    the allocation's. There ddp_spawn started its ranks again in every process: two groups
-    on one store, and a traceback."""
+    traceback of Lightning's, or with one device each trained a whole run into one folder.
+    A one-device run in a SLURM job's batch script or salloc shell runs without srun, where
+    SLURM_NTASKS is the job's; a run of several devices there waited for ranks srun never
+    started. ddp_spawn started its ranks again in every launched process: two groups on one
+    store, and a traceback."""
     devices = device_count(trainer.devices, visible_devices)
     if TorchElasticEnvironment.detect():
         started = int(os.environ.get("WORLD_SIZE", 1))
         launched = f"torchrun started {started} process(es)"
         fix = "its --nproc_per_node and trainer.num_nodes its --nnodes"
-    elif SLURMEnvironment.detect() and (devices * trainer.num_nodes > 1 or trainer.strategy != "auto"):
+    elif SLURMEnvironment.detect() and (
+        is_srun_task() or devices * trainer.num_nodes > 1 or trainer.strategy != "auto"
+    ):
         started = int(os.environ["SLURM_NTASKS"])
+        if started > 1 and not is_srun_task():
+            raise ConfigError(
+                f"the SLURM job has {started} tasks (SLURM_NTASKS) and this process is none of them: "
+                "start the run with srun, srun python train.py ... (scripts/train.sbatch)"
+            )
         launched = f"the SLURM job has {started} task(s) (SLURM_NTASKS), one process each under srun"
         fix = "the tasks per node (--ntasks-per-node) and trainer.num_nodes the nodes"
     else:
