@@ -26,6 +26,8 @@ from navit_lightning.data.folder import Images, hold_out, mirrored
 from navit_lightning.data.index import StringTable
 from navit_lightning.data.sampler import SampleKey
 from navit_lightning.data.workers import WORKER_MODULES
+from navit_lightning.train import hold_out_as_its_run
+from navit_lightning.utils.callbacks import StoreRunConfig
 from navit_lightning.utils.shutdown import descendants
 from tests.conftest import REPO, TINY_RUN, TINY_SET, bare_trainer
 
@@ -141,11 +143,19 @@ def test_a_resume_holds_out_what_its_run_held_out(project_root, tmp_path):
     # nor a resume that changed data.val_fraction: half its val images had trained
     run = PackedImageDataModule(str(tmp_path / "images"), split_by_path=True, num_workers=0)
     resumed = PackedImageDataModule(str(tmp_path / "images"), split_by_path=True, val_fraction=0.2)
+    # and the resumed run's checkpoints store the run's split: eval.py tested them on the
+    # command's, on trained images, and a later resume trained on held-out ones
+    store = StoreRunConfig({"data": {"val_fraction": 0.2, "split_seed": 0, "split_by_path": True}}, [])
     with pytest.warns(
         UserWarning, match=r"data.val_fraction=0.2 left aside: the checkpoint's run held out val_fraction=0.1"
     ):
-        resumed.hold_out_as({"split_seed": 0, "split_by_path": True, "val_fraction": 0.1})
+        hold_out_as_its_run(
+            resumed,
+            SimpleNamespace(callbacks=[store]),
+            {"split_seed": 0, "split_by_path": True, "val_fraction": 0.1},
+        )
     assert held_out(resumed) == held_out(run)
+    assert store.config["data"] == {"val_fraction": 0.1, "split_seed": 0, "split_by_path": True}
 
 
 def test_batches_deliver_exactly_the_planned_sizes(project_root):

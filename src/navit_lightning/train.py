@@ -109,6 +109,16 @@ def resume_from(ckpt_path: str | None, trainer: L.Trainer) -> str | None:
     return None
 
 
+def hold_out_as_its_run(datamodule: PackedImageDataModule, trainer: L.Trainer, run_data: dict) -> None:
+    """Hold out the images that the run of a resumed checkpoint held out, whatever split this
+    config asks for (`run_data`: the checkpoint's data config), and say so in the checkpoints
+    this run writes: they stored the command's split, which eval.py tested by, on trained
+    images, and a later resume trained by."""
+    held_out = datamodule.hold_out_as(run_data)
+    for store in (callback for callback in trainer.callbacks if isinstance(callback, StoreRunConfig)):
+        store.config["data"].update(held_out)
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit (and optionally test) the model that `cfg` describes; returns the final metrics."""
     datamodule, model, trainer = build(cfg)
@@ -138,8 +148,8 @@ def fit_and_test(
         checkpoint = check_resumable(
             model, cfg.model, ckpt_path, averaging, datamodule.class_names(), fitting=cfg.train
         )
-        if isinstance(datamodule, PackedImageDataModule):  # the run's val split, not this config's
-            datamodule.hold_out_as(checkpoint["run_config"]["data"])
+        if isinstance(datamodule, PackedImageDataModule):
+            hold_out_as_its_run(datamodule, trainer, checkpoint["run_config"]["data"])
             position = checkpoint.get(type(datamodule).__qualname__, {}).get("train_position")
             if cfg.train and position:
                 refuse_other_ranks(position, trainer.world_size)

@@ -197,11 +197,11 @@ class PackedImageDataModule(L.LightningDataModule):
         self._reported = False  # the effective batch, printed with the first train loader
         self._loaders: dict[str, tuple[tuple, DataLoader]] = {}  # split -> (made for, loader)
 
-    def hold_out_as(self, run_data: Mapping[str, Any]) -> None:
+    def hold_out_as(self, run_data: Mapping[str, Any]) -> dict[str, Any]:
         """Hold out the images that the run of `run_data` (a checkpoint's data config) held
         out, which a resume, a test or an evaluation of it must keep, naming the settings
         of this config left aside for it: a run from before split_seed or split_by_path
-        held out by its seed, by a shuffle."""
+        held out by its seed, by a shuffle. Returns the settings held out by."""
         split_seed = run_data.get("split_seed")
         held_out = {
             "val_fraction": run_data.get("val_fraction", self.val_fraction),
@@ -217,6 +217,7 @@ class PackedImageDataModule(L.LightningDataModule):
             )
         for key, value in held_out.items():
             setattr(self, key, value)
+        return held_out
 
     @property
     def num_classes(self) -> int:
