@@ -119,6 +119,9 @@ def test_resuming_another_network_other_classes_or_an_ema_run_without_ema_is_ref
     # the cat folder renamed: the same number of classes, each label after it shifted
     with pytest.raises(ConfigError, match=re.escape("(1 not trained on: kitty; 1 missing: cat): use data")):
         check_resumable(model, config, path, False, ["bird", "dog", "kitty"])
+    # a class folder added: its model has another head, and was refused as another network
+    with pytest.raises(ConfigError, match=re.escape("(1 not trained on: eel): use data")):
+        check_resumable(*built_model("model.num_classes=4"), path, False, [*classes, "eel"])
     averaged = tmp_path / "ema.ckpt"
     state = model.state_dict()
     torch.save(

@@ -297,6 +297,9 @@ def check_resumable(
             f"its checkpoint's rate and schedule; resume with optimizer.lr={saved_lr}, or start a fit "
             f"from its weights with init_from={ckpt_path}"
         )
+    # first: a class folder added or removed changes the head, which read as another network
+    num_classes = checkpoint["run_config"]["model"]["num_classes"]
+    check_same_classes(class_names, run_class_names(checkpoint), num_classes, ckpt_path)
     changes = setting_changes(checkpoint, model_config, "model.")
     network_changed = any(change.startswith("model.net.") for change in changes)
     if network_changed or tensor_shapes(checkpoint["state_dict"]) != tensor_shapes(model.state_dict()):
@@ -304,8 +307,6 @@ def check_resumable(
             f"ckpt_path={ckpt_path} holds another network ({'; '.join(changes) or 'other tensors'}): "
             "resume with the settings it was trained with, or leave ckpt_path out to start afresh"
         )
-    num_classes = checkpoint["run_config"]["model"]["num_classes"]
-    check_same_classes(class_names, run_class_names(checkpoint), num_classes, ckpt_path)
     if "current_model_state" in checkpoint and not averaging:
         raise ConfigError(
             f"ckpt_path={ckpt_path} was written with callbacks=ema (its weights are the average): "
