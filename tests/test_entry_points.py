@@ -1,5 +1,7 @@
 """train.py and eval.py run end to end in subprocesses, as a user types them."""
 
+import logging
+import os
 import re
 import shutil
 import sys
@@ -13,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from navit_lightning.errors import ConfigError
 from navit_lightning.utils.callbacks import StopEarly
+from navit_lightning.utils.entry_point import tidy_lightning_output
 from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, TINY_SET, logged_scalars, run_folder
 from tests.test_configs import compose_train
 from tests.test_lit_module import bare_trainer, make_batch, make_model
@@ -52,6 +55,28 @@ def assert_sane_rates(output: str) -> None:
     caller, whose clock never started: it once printed 48,000,000,000 images/s)."""
     rates = [float(rate.replace(",", "")) for rate in re.findall(r"([0-9,]+) images/s", output)]
     assert rates and all(0 < rate < 1e6 for rate in rates), rates
+
+
+def test_the_log_file_writes_a_file_name_that_is_not_utf8_escaped(tmp_path):
+    """An old zip's caf\xe9.jpg named in a warning: the log file's line failed with a
+    traceback of logging's, and train.log lacked it."""
+    root = logging.getLogger()
+    handlers = [
+        logging.FileHandler(tmp_path / "train.log", delay=True),  # Hydra's, for a run's ranks
+        logging.FileHandler(tmp_path / "opened.log"),
+    ]
+    for handler in handlers:
+        root.addHandler(handler)
+    try:
+        tidy_lightning_output()
+        root.warning("%s: not a readable image", os.fsdecode(b"caf\xe9.jpg"))
+    finally:
+        for handler in handlers:
+            root.removeHandler(handler)
+            handler.close()
+    for log in ("train.log", "opened.log"):
+        # as the console writes it (sys.stderr's backslashreplace)
+        assert (tmp_path / log).read_text() == "caf\\udce9.jpg: not a readable image\n"
 
 
 def test_train_then_eval_reports_accuracy(run_entry_point):

@@ -102,11 +102,18 @@ def tidy_lightning_output() -> None:
     instead, so that they reach Hydra's console and the run's log file once. And drop what
     asks nothing of the user: a torch deprecation inside Lightning's own code, a warning
     about a hook that only the LightningModule defines (it warns whenever a datamodule is
-    passed too), and an advert."""
+    passed too), and an advert. The log file writes a file name that is not UTF-8 (os.fsdecode
+    keeps its bytes as surrogates) escaped, as the console does: each such line failed there
+    with a traceback of logging's, and the file lacked the warning that named the image."""
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.errors = "backslashreplace"
+            if handler.stream is not None:  # opened already (not delay=True)
+                handler.stream.reconfigure(errors="backslashreplace")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     warnings.filterwarnings(
         "ignore", message="You have overridden `on_before_batch_transfer` in `LightningModule`"
