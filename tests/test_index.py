@@ -135,6 +135,9 @@ def test_the_datamodule_plans_from_the_manifest_without_opening_an_image(tmp_pat
 
 def test_the_index_command_builds_the_manifest(tmp_path):
     root = make_folder(tmp_path / "images")
+    # other files are counted by their suffix: a phone's photos were left out without a word
+    for name in ("IMG_1.HEIC", "IMG_2.heic", "README"):
+        (root / name).write_bytes(b"")
     result = subprocess.run(
         [sys.executable, "-m", "navit_lightning.data.index", str(root)],
         capture_output=True,
@@ -145,6 +148,7 @@ def test_the_index_command_builds_the_manifest(tmp_path):
     assert (
         "indexed 7 image files" in result.stdout + result.stderr
         and "1 unreadable" in result.stdout + result.stderr
+        and "; 3 file(s) of other types left out (.heic 2, no suffix 1)" in result.stdout + result.stderr
     )
     assert (root / index.MANIFEST_NAME).is_file()
 

@@ -96,7 +96,10 @@ def make_input(root, kind):
     ("kind", "message"),
     [
         ("missing", r"input=\S+missing does not exist: pass an image file or a folder"),
-        ("no-images", r"input=\S+no-images holds no image files"),
+        (
+            "no-images",
+            r"input=\S+no-images holds no image files .+, but 1 file\(s\) of other types left out \(.txt 1\)",
+        ),
         ("none-readable", r"none of the 1 input file\(s\) is a readable image"),
         ("none-decodable", r"none of the 1 input file\(s\) could be decoded"),  # exited 0, an empty CSV
     ],

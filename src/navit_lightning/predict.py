@@ -4,6 +4,7 @@ input=<image file or folder>, writing predictions.csv into the run folder."""
 from __future__ import annotations
 
 import csv
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.data.folder import IMAGE_SUFFIXES, image_files_under
-from navit_lightning.data.index import SURROGATES
+from navit_lightning.data.index import SURROGATES, other_files
 from navit_lightning.errors import ConfigError, DataError, is_count
 from navit_lightning.resolution import budgets_past_the_tables, past_the_tables
 from navit_lightning.utils.checkpoints import (
@@ -39,12 +40,15 @@ def image_files(input_path: Path) -> list[Path]:
         return [input_path]
     if not input_path.is_dir():
         raise DataError(f"input={input_path} does not exist: pass an image file or a folder of images")
-    files = image_files_under(input_path)
+    others: Counter[str] = Counter()
+    files = image_files_under(input_path, others)
     if not files:
         raise DataError(
             f"input={input_path} holds no image files ({', '.join(sorted(IMAGE_SUFFIXES))}), "
-            "searched recursively: pass a folder of images"
+            f"searched recursively{f', but {other_files(others)}' if others else ''}: pass a folder of images"
         )
+    if others:
+        rank_zero_info(f"input={input_path}: {other_files(others)}")
     return files
 
 

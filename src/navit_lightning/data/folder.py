@@ -7,6 +7,7 @@ import io
 import logging
 import multiprocessing
 import random
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,9 +79,10 @@ def check_every_class_readable(images: Images, classes: list[str], folder: Path)
         )
 
 
-def image_files_under(folder: Path) -> list[Path]:
-    """Every image file under `folder` (index.image_entries), sorted."""
-    return sorted(folder / path for path, _ in image_entries(folder))
+def image_files_under(folder: Path, others: Counter[str] | None = None) -> list[Path]:
+    """Every image file under `folder` (index.image_entries, which counts the other files in
+    `others`), sorted."""
+    return sorted(folder / path for path, _ in image_entries(folder, others))
 
 
 @dataclass

@@ -20,6 +20,7 @@ import os
 import struct
 import time
 import zipfile
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,13 +172,14 @@ class Manifest:
             return None
 
 
-def image_entries(root: Path) -> Iterator[tuple[str, os.DirEntry]]:
+def image_entries(root: Path, others: Counter[str] | None = None) -> Iterator[tuple[str, os.DirEntry]]:
     """Every image file under root, as (its path relative to root, its directory entry), in
     no set order: what the manifest, the check of class folders and predict.py take for the
     images. Hidden entries are skipped (a macOS zip's __MACOSX/ holds only ._ files); linked
     folders are followed, but not into a folder they are in (that would loop). A folder reached
     by two paths gives its images under both: taken once, the first path listed won, and a
-    link beside the splits (left out) could take a class's images away."""
+    link beside the splits (left out) could take a class's images away. Other files are
+    counted in `others` by their suffix: a phone's .heic photos were left out without a word."""
     folders = [(root, "", frozenset({_folder_id(root)}))]  # and the folders it is in
     while folders:
         folder, prefix, above = folders.pop()
@@ -193,8 +195,22 @@ def image_entries(root: Path) -> Iterator[tuple[str, os.DirEntry]]:
                 if entry.is_dir():
                     if (folder_id := _folder_id(entry)) not in above:
                         folders.append((Path(entry.path), f"{prefix}{entry.name}/", above | {folder_id}))
-                elif os.path.splitext(entry.name)[1].lower() in IMAGE_SUFFIXES and entry.is_file():
-                    yield prefix + entry.name, entry
+                elif entry.is_file():
+                    suffix = os.path.splitext(entry.name)[1].lower()
+                    if suffix in IMAGE_SUFFIXES:
+                        yield prefix + entry.name, entry
+                    elif others is not None:
+                        others[suffix] += 1
+
+
+def other_files(others: Counter[str]) -> str:
+    """What image_entries counted in `others`, for a log line: "3 files of other types left out
+    (.heic 2, no suffix 1)", or "" for none."""
+    if not others:
+        return ""
+    kinds = ", ".join(f"{suffix or 'no suffix'} {count}" for suffix, count in others.most_common(5))
+    more = ", ..." if len(others) > 5 else ""
+    return f"{others.total()} file(s) of other types left out ({kinds}{more})"
 
 
 def _folder_id(folder: Path | os.DirEntry) -> tuple[int, int]:
@@ -202,11 +218,11 @@ def _folder_id(folder: Path | os.DirEntry) -> tuple[int, int]:
     return stat.st_dev, stat.st_ino
 
 
-def list_image_files(root: Path) -> tuple[list[str], np.ndarray]:
+def list_image_files(root: Path, others: Counter[str] | None = None) -> tuple[list[str], np.ndarray]:
     """Every image file under root (image_entries), sorted: relative paths and (N, 2)
     (mtime_ns, bytes), from one directory listing and one stat per file (none is opened)."""
     found: list[tuple[str, int, int]] = []
-    for path, entry in image_entries(root):
+    for path, entry in image_entries(root, others):
         stat = entry.stat()
         found.append((path, stat.st_mtime_ns, stat.st_size))
     found.sort()
@@ -257,7 +273,8 @@ def index_folder(root: Path, index_dir: str | Path | None = None, workers: int =
     whose (mtime_ns, bytes) match the saved manifest are not opened."""
     started = time.perf_counter()
     path = manifest_path(root, index_dir)
-    names, stamps = list_image_files(root)
+    others: Counter[str] = Counter()
+    names, stamps = list_image_files(root, others)
     paths = StringTable.of(names)
     old = Manifest.load(path)
     sizes = np.full((len(names), 2), -1, dtype=np.int32)
@@ -287,8 +304,7 @@ def index_folder(root: Path, index_dir: str | Path | None = None, workers: int =
         manifest.save(path)
     log.info(
         "indexed %d image files under %s in %.1f s: %d read (new, changed or unreadable), %d gone, "
-        "%d unreadable; "
-        "manifest %s",
+        "%d unreadable; manifest %s%s",
         len(names),
         root,
         time.perf_counter() - started,
@@ -296,6 +312,7 @@ def index_folder(root: Path, index_dir: str | Path | None = None, workers: int =
         removed,
         int((~manifest.readable).sum()),
         path,
+        f"; {other_files(others)}" if others else "",
     )
     return manifest
 
