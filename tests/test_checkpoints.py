@@ -599,14 +599,16 @@ def test_a_run_that_ended_within_an_epoch_resumes_exactly(run_entry_point):
     counted the epoch as over, and the same command with max_steps=12 trained its last 4
     batches as epoch 1, then stopped at max_epochs=2 at step 8 (an early stop at such a
     validation alike); kept from the validation's form, it logged each step one too high. A
-    stop asked in epoch 1 (trainer.max_time's) was taken for that form: one too low."""
+    stop asked in epoch 1 (trainer.max_time's) was taken for that form: one too low. And
+    max_steps=8 ends epoch 0 at its end: given max_steps, Lightning resumed the epoch's end
+    as an epoch running, counted it twice, and trained nothing more."""
     command = [*TINY_RUN, "trainer.max_epochs=2", "trainer.val_check_interval=0.5", "model.scheduler=null"]
     command += ["test=false", "patch_budgets=null", "trainer.max_steps=12"]
     stop_asked = ["+callbacks.interrupt._target_=tests.interruptions.InterruptAtStep"]
     stop_asked += ["+callbacks.interrupt.step=10", "+callbacks.interrupt.how=should_stop"]
     whole = run_entry_point.root / "whole"
     run_entry_point("train.py", *command, f"hydra.run.dir={whole}")
-    for first_run, saved_at in ((["trainer.max_steps=4"], 4), (stop_asked, 11)):
+    for first_run, saved_at in ((["trainer.max_steps=4"], 4), (stop_asked, 11), (["trainer.max_steps=8"], 8)):
         stopped = run_entry_point.root / f"stopped_at_{saved_at}"
         run_entry_point("train.py", *command, *first_run, f"hydra.run.dir={stopped}")
         first_events = set((stopped / "tensorboard").iterdir())

@@ -21,7 +21,11 @@ from navit_lightning.errors import ConfigError
 from navit_lightning.lit_module import NaViTClassifier
 from navit_lightning.resolution import accuracy_across_budgets, budgets_that_fit, report
 from navit_lightning.utils.callbacks import StoreRunConfig
-from navit_lightning.utils.checkpoints import check_resumable, load_initial_weights
+from navit_lightning.utils.checkpoints import (
+    check_resumable,
+    load_initial_weights,
+    resume_epoch_ends_as_ended,
+)
 from navit_lightning.utils.entry_point import launch, log_config, run_task
 from navit_lightning.utils.instantiate import absolute_path, instantiate_group
 from navit_lightning.utils.loggers import finish_loggers, loggers_closed_on_failure
@@ -148,6 +152,7 @@ def fit_and_test(
         checkpoint = check_resumable(
             model, cfg.model, ckpt_path, averaging, datamodule.class_names(), fitting=cfg.train
         )
+        resume_epoch_ends_as_ended(trainer)
         if isinstance(datamodule, PackedImageDataModule):
             hold_out_as_its_run(datamodule, trainer, checkpoint["run_config"]["data"])
             position = checkpoint.get(type(datamodule).__qualname__, {}).get("train_position")

@@ -159,6 +159,16 @@ def saved_as_within_epoch(trainer: L.Trainer) -> Iterator[None]:
         epoch_loop._batches_that_stepped += validated
 
 
+def resume_epoch_ends_as_ended(trainer: L.Trainer) -> None:
+    """Given trainer.max_steps, Lightning's fit loop resumes a checkpoint of an epoch's end as
+    an epoch still running (Lightning issue 19617): it ran that epoch again with no batch
+    left and counted it, so the resumed run trained one epoch less, and none where its
+    first run had ended at an epoch's end (max_steps there, or max_epochs then raised). It
+    resumes as without max_steps: the next epoch starts. Lightning's reason to differ, an
+    epoch that max_steps cut short, is saved as a stop within it (saved_as_within_epoch)."""
+    trainer.fit_loop._iteration_based_training = lambda: False
+
+
 def batches_stepped(trainer: L.Trainer) -> int:
     """This epoch's batches up to its last optimizer step: those processed, less the ones
     of an accumulation window still open (the epoch's last window steps however short)."""
