@@ -8,11 +8,12 @@ import lightning as L
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from omegaconf import open_dict
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.data.shards import write_shards
-from navit_lightning.utils.instantiate import instantiate_group
+from navit_lightning.utils.instantiate import instantiate_group, switched_on
 from tests.conftest import TINY_SET, TINY_SHAPES
 
 GROUPS = [
@@ -89,6 +90,21 @@ def test_option_composes_and_instantiates(option, tmp_path, project_root):
         logger=instantiate_group(cfg.get("logger")) or False,
     )
     assert isinstance(trainer, L.Trainer)
+
+
+def test_a_trainer_flag_set_to_false_switches_its_kind_of_callback_off(tmp_path, project_root):
+    """Lightning refused trainer.enable_checkpointing=false (enable_progress_bar=false) beside
+    the default callbacks' checkpoints (progress bar), and printed the model summary under
+    enable_model_summary=false."""
+    flags = ["enable_checkpointing", "enable_progress_bar", "enable_model_summary"]
+    cfg = compose_train([f"++trainer.{flag}=false" for flag in flags], tmp_path, project_root)
+    callbacks = instantiate_group(cfg.callbacks)
+    kept = switched_on(cfg.trainer, callbacks)
+    switched = (ModelCheckpoint, ProgressBar, ModelSummary)
+    assert len(kept) < len(callbacks) and not any(isinstance(callback, switched) for callback in kept)
+    trainer = hydra.utils.instantiate(cfg.trainer, callbacks=kept, logger=False)
+    assert trainer.checkpoint_callback is None and trainer.progress_bar_callback is None
+    assert switched_on(compose_train([], tmp_path, project_root).trainer, callbacks) == callbacks
 
 
 def test_eval_config_composes(tmp_path):

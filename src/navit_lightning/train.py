@@ -27,7 +27,7 @@ from navit_lightning.utils.checkpoints import (
     resume_epoch_ends_as_ended,
 )
 from navit_lightning.utils.entry_point import launch, log_config, run_task
-from navit_lightning.utils.instantiate import absolute_path, instantiate_group
+from navit_lightning.utils.instantiate import absolute_path, instantiate_group, switched_on
 from navit_lightning.utils.loggers import finish_loggers, loggers_closed_on_failure
 from navit_lightning.utils.shutdown import (
     StopTogetherOnSigterm,
@@ -64,7 +64,7 @@ def build(
     model: L.LightningModule = hydra.utils.instantiate(cfg.model)
     run_config = OmegaConf.to_container(cfg, resolve=True)
     callbacks = [
-        *instantiate_group(cfg.get("callbacks")),
+        *switched_on(cfg.trainer, instantiate_group(cfg.get("callbacks"))),
         StoreRunConfig(run_config, datamodule.class_names()),
         StopTogetherOnSigterm(),
         *extra_callbacks,

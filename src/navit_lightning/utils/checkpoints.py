@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning.errors import ConfigError
-from navit_lightning.utils.instantiate import absolute_path, dotted_settings, instantiate_group
+from navit_lightning.utils.instantiate import absolute_path, dotted_settings, instantiate_group, switched_on
 from navit_lightning.utils.shutdown import is_explained_elsewhere
 
 log = logging.getLogger(__name__)
@@ -501,7 +501,7 @@ def build_from_checkpoint(
     trainer = hydra.utils.instantiate(
         cfg.trainer,
         logger=instantiate_group(cfg.get("logger")) or False,
-        callbacks=callbacks or [],
+        callbacks=switched_on(cfg.trainer, callbacks or []),
         enable_checkpointing=False,  # else Lightning adds a ModelCheckpoint of its own
     )
     return datamodule, model, trainer

@@ -7,7 +7,15 @@ import os
 from typing import Any
 
 import hydra
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from omegaconf import DictConfig
+
+# The Trainer flags that switch a kind of callback off, and the kind
+SWITCHES = {
+    "enable_checkpointing": ModelCheckpoint,
+    "enable_progress_bar": ProgressBar,
+    "enable_model_summary": ModelSummary,
+}
 
 
 def instantiate_group(group: DictConfig | None) -> list[Any]:
@@ -15,6 +23,15 @@ def instantiate_group(group: DictConfig | None) -> list[Any]:
     if not group:
         return []
     return [hydra.utils.instantiate(entry) for entry in group.values() if entry and "_target_" in entry]
+
+
+def switched_on(trainer: DictConfig, callbacks: list[Any]) -> list[Any]:
+    """`callbacks` but those of a kind that a Trainer flag set to false switches off:
+    Lightning refused trainer.enable_checkpointing=false or enable_progress_bar=false beside
+    the default callbacks' checkpoints and progress bar, and printed the model summary under
+    enable_model_summary=false."""
+    off = tuple(kind for flag, kind in SWITCHES.items() if trainer.get(flag) is False)
+    return [callback for callback in callbacks if not isinstance(callback, off)]
 
 
 def dotted_settings(node: dict | list, prefix: str = "") -> dict[str, Any]:
