@@ -158,11 +158,17 @@ def test_wandb_logger_writes_an_offline_run_into_each_jobs_folder(run_entry_poin
 
 def test_debug_limit_runs_a_few_batches_of_each_stage(run_entry_point):
     counted = "+callbacks.count._target_=tests.interruptions.CountEvaluatedBatches"
-    result = run_entry_point("train.py", "debug=limit", *TINY_RUN, counted, "patch_budgets=null")
+    result = run_entry_point("train.py", "debug=limit", *TINY_RUN, counted)
     planned = console_count(result, r"train: (\d+) batches per epoch")
     assert trained_batches(result) == 5 < planned
     assert console_count(result, r"validation batches: (\d+)") == 2
     assert console_count(result, r"test batches: (\d+)") == 2
+    # two batches at each patch budget hold fewer images at a larger one: said, not a silent
+    # curve over other images at each budget
+    scored = re.search(
+        r"the patch budgets \[9, 16, 36, 64\] scored \[(\d+), .*, (\d+)\] images", result.stderr
+    )
+    assert scored and int(scored[1]) > int(scored[2]), result.stderr[-3000:]
 
 
 def test_debug_overfit_memorises_the_same_two_batches(run_entry_point):

@@ -170,7 +170,7 @@ def accuracy_across_budgets(
         datamodule.evaluate_at(None)
         trainer.callbacks.remove(counter)
         trainer.loggers = loggers
-    results = []
+    results, counts = [], []
     for index, budget in enumerate(budgets):
         # Lightning's key for a loader's metric, where there are several
         suffix = f"/dataloader_idx_{index}" if len(budgets) > 1 else ""
@@ -181,9 +181,16 @@ def accuracy_across_budgets(
         result = BudgetResult(budget, real_tokens / max(images, 1.0), accuracy, images / max(seconds, 1e-9))
         rank_zero_info(
             f"{split} at patch budget {budget:>4}: {result.patches_per_image:6.1f} patches per image, "
-            f"accuracy {result.accuracy:.4f}, {result.images_per_s:,.0f} images/s"
+            f"accuracy {result.accuracy:.4f} on {images:.0f} images, {result.images_per_s:,.0f} images/s"
         )
         results.append(result)
+        counts.append(round(images))
+    if len(set(counts)) > 1:  # a batch holds fewer images at a larger budget
+        rank_zero_warn(
+            f"the patch budgets {budgets} scored {counts} images: trainer.limit_{split}_batches (or "
+            "debug=limit, fast_dev_run, overfit_batches) limits each budget's batches, so the curve "
+            "compares other images at each budget"
+        )
     return results
 
 
