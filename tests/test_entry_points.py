@@ -94,14 +94,21 @@ def test_train_then_eval_reports_accuracy(run_entry_point):
     best = f"Loaded model weights from the checkpoint at {run}/checkpoints/epoch_000.ckpt"
     assert output.count(best) == 2, output[-3000:]
 
-    # The checkpoint alone says which network and data: no overrides needed.
-    result = run_entry_point("eval.py", f"ckpt_path={run}/checkpoints/last.ckpt")
+    # The checkpoint alone says which network and data: no overrides needed. Named from the
+    # folder the command ran in, also where the job runs in its run folder (it was refused)
+    last = run.relative_to(run_entry_point.root) / "checkpoints" / "last.ckpt"
+    result = run_entry_point("eval.py", f"ckpt_path={last}", "hydra.job.chdir=true")
     accuracy = re.search(r"test accuracy: ([0-9.]+)", result.stdout + result.stderr)
     assert accuracy and 0.0 <= float(accuracy.group(1)) <= 1.0
 
     # train=false tests the checkpoint it is given (it tested the initial weights)
     tested = run_entry_point(
-        "train.py", *TINY_RUN, "train=false", f"ckpt_path={run}/checkpoints/last.ckpt", "patch_budgets=null"
+        "train.py",
+        *TINY_RUN,
+        "train=false",
+        f"ckpt_path={last}",
+        "patch_budgets=null",
+        "hydra.job.chdir=true",
     )
     test_acc = re.search(r"test/acc\s+│\s+([0-9.]+)", tested.stdout)
     assert test_acc and float(test_acc.group(1)) == pytest.approx(float(accuracy.group(1)), abs=5e-5)

@@ -22,6 +22,8 @@ from torch.multiprocessing.spawn import ProcessRaisedException
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError, DataError
+from navit_lightning.utils.checkpoints import LIGHTNING_CKPT_NAMES
+from navit_lightning.utils.instantiate import absolute_path
 from navit_lightning.utils.launch import in_sweep, quiet_rank_overrides
 from navit_lightning.utils.shutdown import JobFailed, end_promptly_on_signals, job_end
 
@@ -89,7 +91,20 @@ def run_task(task: Callable[[DictConfig], T], cfg: DictConfig, from_checkpoint: 
         # PackedBatchSampler drops nothing: every image is in one of its batches
         warnings.filterwarnings("ignore", message="You are using a custom batch sampler")
     with refuse_bad_input():
+        files_from_the_command_folder(cfg)
         return task(cfg)
+
+
+def files_from_the_command_folder(cfg: DictConfig) -> None:
+    """The files a command names (ckpt_path, init_from, predict.py's input) made absolute from
+    the folder it ran in: under hydra.job.chdir=true, where the job runs in its run folder,
+    a relative one was refused as missing (data.root is made absolute where it is built)."""
+    for key in ("ckpt_path", "init_from", "input"):
+        if key not in cfg or OmegaConf.is_missing(cfg, key) or cfg[key] is None:
+            continue
+        if key == "ckpt_path" and cfg[key] in LIGHTNING_CKPT_NAMES:  # ckpt_path=last: Lightning's
+            continue
+        cfg[key] = absolute_path(cfg[key])
 
 
 def log_config(config: DictConfig) -> None:
