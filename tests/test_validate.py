@@ -62,6 +62,8 @@ def config(*overrides: str):
             "has none (~logger, debug=fdr): add callbacks.device_stats=null, or keep logger=tensorboard",
         ),
         (0, ["trainer.reload_dataloaders_every_n_epochs=0"], "so it must rebuild it every epoch: keep 1"),
+        # under ddp every rank failed in a traceback
+        (0, ["trainer.use_distributed_sampler=true"], "shares every epoch among the ranks itself"),
         (0, ["patch_budgets=[16,0]"], "must be a list of positive patch counts, e.g. patch_budgets="),
         (0, ["patch_budgets=36"], "must be a list of positive patch counts"),
         (0, ["model.lr_scaling=square"], "model.lr_scaling='square' is unknown: use one of"),
@@ -440,6 +442,13 @@ def test_a_setting_lightning_refuses_when_the_fit_starts_says_which_in_one_line(
     with pytest.raises(ValueError) as ours:
         raise ValueError("`val_check_interval` (1000) is not Lightning's")
     assert refusal(ours.value) is None
+    # named further on (a traceback, as a fraction under one batch was)
+    with pytest.raises(MisconfigurationException) as fraction:
+        bare_trainer(limit_train_batches=0.001, default_root_dir=tmp_path).fit(BoringModel())
+    assert refusal(fraction.value).startswith(
+        "trainer.limit_train_batches: You requested to check 0.001 of the `train_dataloader` but "
+        "0.001 * 64 < 1"
+    )
 
 
 def test_lightning_refusing_a_trainer_argument_by_misconfiguration_is_one_line_and_no_other_name_is():

@@ -197,17 +197,16 @@ def refusal(error: Exception) -> str | None:
 
 def trainer_setting_refused(error: Exception) -> str | None:
     """Lightning's refusal of a Trainer argument that it checks only when a fit starts, against
-    the data (`val_check_interval` past the batches of an epoch): raised in Lightning's own
-    code, its message opening with the argument's name."""
+    the data (`val_check_interval` past the batches of an epoch, a `limit_val_batches`
+    fraction of less than a batch): raised in Lightning's own code, its message naming the
+    argument."""
     if not isinstance(error, (ValueError, MisconfigurationException)) or error.__traceback__ is None:
         return None
     innermost = error.__traceback__
     while innermost.tb_next is not None:
         innermost = innermost.tb_next
-    raised_in = innermost.tb_frame.f_globals.get("__name__", "")
-    named = re.match(r"\s*`(\w+)`", str(error))
-    if not raised_in.startswith("lightning.") or named is None:
+    if not innermost.tb_frame.f_globals.get("__name__", "").startswith("lightning."):
         return None
-    if named[1] not in inspect.signature(L.Trainer.__init__).parameters:
-        return None
-    return f"trainer.{named[1]}: {str(error).strip()}"
+    arguments = inspect.signature(L.Trainer.__init__).parameters
+    named = next((name for name in re.findall(r"`(\w+)`", str(error)) if name in arguments), None)
+    return None if named is None else f"trainer.{named}: {str(error).strip()}"

@@ -116,6 +116,11 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
             "an epoch's packed batches vary in number and Lightning counts them when it builds the "
             "loader, so it must rebuild it every epoch: keep 1"
         )
+    if trainer.get("use_distributed_sampler"):  # under ddp every rank failed in a traceback
+        raise ConfigError(
+            "trainer.use_distributed_sampler=true: the data module's batch sampler shares every "
+            "epoch among the ranks itself, and Lightning cannot wrap it in its own; keep false"
+        )
     check_patch_budgets(cfg.get("patch_budgets"))
     if training:
         check_training_numbers(trainer)
