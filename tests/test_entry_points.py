@@ -65,14 +65,14 @@ def test_the_log_file_writes_a_file_name_that_is_not_utf8_escaped(tmp_path):
         logging.FileHandler(tmp_path / "train.log", delay=True),  # Hydra's, for a run's ranks
         logging.FileHandler(tmp_path / "opened.log"),
     ]
-    for handler in handlers:
-        root.addHandler(handler)
+    # these alone: pytest's capture of the record went to xdist's controller, which takes UTF-8
+    kept, root.handlers = root.handlers, handlers
     try:
         tidy_lightning_output()
         root.warning("%s: not a readable image", os.fsdecode(b"caf\xe9.jpg"))
     finally:
+        root.handlers = kept
         for handler in handlers:
-            root.removeHandler(handler)
             handler.close()
     for log in ("train.log", "opened.log"):
         # as the console writes it (sys.stderr's backslashreplace)
