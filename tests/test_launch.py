@@ -76,12 +76,15 @@ def test_slurm_tasks_name_the_run_by_job_and_step(monkeypatch):
         # a SLURM job's batch script: one process, though the job has 4 tasks; runs after each
         # other there shared the folder slurm-<job>.0
         {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_JOB_ID": "7"},
+        # and in salloc's interactive step, a shell srun started with one task
+        {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "1"},
         {"NODE_RANK": "0"},
         {"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "1", "RANK": "0"},  # torchrun --nproc_per_node=1
     ],
 )
 def test_a_lone_process_uses_its_clock_and_writes_everything(monkeypatch, env):
-    for name in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_STEP_ID", "NODE_RANK"):
+    slurm = ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_STEP_ID", "SLURM_STEP_NUM_TASKS")
+    for name in ("TORCHELASTIC_RUN_ID", *slurm, "NODE_RANK"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)

@@ -244,6 +244,8 @@ def launched_by(monkeypatch, launcher: dict[str, str]) -> None:
         # each task trained a whole run of its own, all in one folder
         (SRUN | {"SLURM_NTASKS": "2"}, [], r"one process each under srun, but trainer.devices=1 x"),
         (SRUN | {"SLURM_NTASKS": "1"}, [], None),
+        # salloc's interactive step, a shell srun started: SLURM_NTASKS is the allocation's
+        (SRUN | {"SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "1"}, [], None),
         (SLURM_BATCH | {"SLURM_NTASKS": "4"}, [], None),  # one device in the batch script
         # it waited for the ranks srun would have started
         (

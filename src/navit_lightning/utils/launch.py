@@ -33,11 +33,14 @@ QUIET_RANK_OVERRIDES = (
 STAMP_KEY = "navit_lightning/run_stamp"
 
 
-def is_srun_task() -> bool:
-    """Whether srun started this process as a task of a job step. SLURM_NTASKS and
-    SLURM_PROCID are the job's in its batch script (sbatch) and salloc's shell too, where
-    one process runs; SLURM_STEP_ID is srun's alone."""
-    return "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ
+def srun_tasks() -> int:
+    """The tasks of the srun step this process is one of; 0 outside srun. SLURM_STEP_ID is
+    srun's alone: SLURM_NTASKS and SLURM_PROCID are the job's in its batch script (sbatch)
+    and salloc's shell too, where one process runs, and so is SLURM_NTASKS in the shell of
+    salloc's interactive step (SLURM_STEP_NUM_TASKS is the step's)."""
+    if "SLURM_STEP_ID" not in os.environ or "SLURM_PROCID" not in os.environ:
+        return 0
+    return int(os.environ.get("SLURM_STEP_NUM_TASKS", os.environ.get("SLURM_NTASKS", 1)))
 
 
 def external_launch_rank() -> int | None:
@@ -46,7 +49,7 @@ def external_launch_rank() -> int | None:
     0, which is rank 0's, but quiet as a rank above it); else None."""
     if "TORCHELASTIC_RUN_ID" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1:
         return int(os.environ["RANK"])
-    if is_srun_task() and int(os.environ.get("SLURM_NTASKS", 1)) > 1:
+    if srun_tasks() > 1:
         return int(os.environ["SLURM_PROCID"])
     if int(os.environ.get("NODE_RANK", 0)) > 0:
         return int(os.environ["NODE_RANK"])
@@ -87,7 +90,7 @@ def run_stamp(pattern: str) -> str:
         return stamp
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return _shared_through_torchrun_store(stamp)
-    if is_srun_task():
+    if srun_tasks() > 1:
         return f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', 0)}"
     return stamp
 

@@ -24,7 +24,7 @@ from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError, is_count, is_whole, require_counts
 from navit_lightning.utils.checkpoints import CKPT_PATH_EXAMPLE, LIGHTNING_CKPT_NAMES, read_checkpoint
 from navit_lightning.utils.instantiate import dotted_settings
-from navit_lightning.utils.launch import in_sweep, is_srun_task
+from navit_lightning.utils.launch import in_sweep, srun_tasks
 from navit_lightning.utils.schedules import check_lr_scaling
 
 GPU_ACCELERATORS = {"gpu", "cuda"}
@@ -382,10 +382,10 @@ def check_launched_processes(trainer: DictConfig, visible_devices: int) -> None:
         launched = f"torchrun started {started} process(es)"
         fix = "its --nproc_per_node and trainer.num_nodes its --nnodes"
     elif SLURMEnvironment.detect() and (
-        is_srun_task() or devices * trainer.num_nodes > 1 or trainer.strategy != "auto"
+        srun_tasks() > 1 or devices * trainer.num_nodes > 1 or trainer.strategy != "auto"
     ):
         started = int(os.environ["SLURM_NTASKS"])
-        if started > 1 and not is_srun_task():
+        if started > 1 and not srun_tasks():
             raise ConfigError(
                 f"the SLURM job has {started} tasks (SLURM_NTASKS) and this process is none of them: "
                 "start the run with srun, srun python train.py ... (scripts/train.sbatch)"
