@@ -2,6 +2,7 @@
 ckpt_path=last."""
 
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -19,6 +20,7 @@ from omegaconf import OmegaConf
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError
+from navit_lightning.train import resume_from
 from navit_lightning.utils.checkpoints import (
     AtomicCheckpointIO,
     ResumeCheckpoint,
@@ -28,9 +30,10 @@ from navit_lightning.utils.checkpoints import (
     data_keys_given,
     load_initial_weights,
     read_checkpoint,
+    resume_epoch_ends_as_ended,
 )
 from navit_lightning.utils.instantiate import absolute_path
-from tests.conftest import DDP_TWO_RANKS, TINY_RUN, TINY_SHAPES, logged_scalars
+from tests.conftest import DDP_TWO_RANKS, TINY_RUN, TINY_SHAPES, bare_trainer, logged_scalars
 
 
 @pytest.mark.parametrize("task", ["eval", "predict"])
@@ -274,6 +277,20 @@ def test_unusable_checkpoints_are_refused_with_the_fix(tmp_path, damage):
         path.write_text("hello")
     with pytest.raises(ConfigError, match=f"ckpt_path={path}"):
         read_checkpoint(path)
+
+
+def test_a_trainer_resuming_as_by_epochs_still_pickles():
+    """ddp_spawn pickles the trainer for its ranks: a lambda there failed every resume."""
+    trainer = bare_trainer(max_steps=20)
+    resume_epoch_ends_as_ended(trainer)
+    assert pickle.loads(pickle.dumps(trainer)).fit_loop._iteration_based_training() is False
+
+
+def test_ckpt_path_last_without_a_callback_saving_one_is_refused():
+    """callbacks=none or trainer.enable_checkpointing=false: it started afresh in a folder
+    holding a last.ckpt, its logs over the run's."""
+    with pytest.raises(ConfigError, match=r"ckpt_path=last resumes the last checkpoint .+ none saves one"):
+        resume_from("last", bare_trainer())
 
 
 def test_a_whole_checkpoint_passes(tmp_path):

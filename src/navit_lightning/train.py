@@ -22,6 +22,7 @@ from navit_lightning.lit_module import NaViTClassifier
 from navit_lightning.resolution import accuracy_across_budgets, budgets_that_fit, report
 from navit_lightning.utils.callbacks import StoreRunConfig
 from navit_lightning.utils.checkpoints import (
+    CKPT_PATH_EXAMPLE,
     check_resumable,
     load_initial_weights,
     resume_epoch_ends_as_ended,
@@ -105,11 +106,18 @@ def resume_from(ckpt_path: str | None, trainer: L.Trainer) -> str | None:
         for callback in trainer.checkpoint_callbacks
         if callback.save_last and callback.dirpath
     }
+    if not lasts:  # it started afresh, its logs over the run's in a folder that had one
+        raise ConfigError(
+            "ckpt_path=last resumes the last checkpoint that this run's callbacks save, and none "
+            "saves one (callbacks=none, trainer.enable_checkpointing=false): name the file, "
+            f"ckpt_path={CKPT_PATH_EXAMPLE}"
+        )
     existing = [last for last in lasts if last.is_file()]
     if existing:
         return str(max(existing, key=lambda last: last.stat().st_mtime))
-    where = " or ".join(map(str, sorted(lasts))) or "none of this run's callbacks saves one (callbacks=none?)"
-    rank_zero_info(f"ckpt_path=last: no last checkpoint ({where}): starting afresh")
+    rank_zero_info(
+        f"ckpt_path=last: no last checkpoint ({' or '.join(map(str, sorted(lasts)))}): starting afresh"
+    )
     return None
 
 

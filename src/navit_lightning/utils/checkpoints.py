@@ -166,7 +166,12 @@ def resume_epoch_ends_as_ended(trainer: L.Trainer) -> None:
     first run had ended at an epoch's end (max_steps there, or max_epochs then raised). It
     resumes as without max_steps: the next epoch starts. Lightning's reason to differ, an
     epoch that max_steps cut short, is saved as a stop within it (saved_as_within_epoch)."""
-    trainer.fit_loop._iteration_based_training = lambda: False
+    trainer.fit_loop._iteration_based_training = _resumed_by_epochs
+
+
+def _resumed_by_epochs() -> bool:
+    # a module's function, not a lambda: ddp_spawn pickles the trainer for its ranks
+    return False
 
 
 def batches_stepped(trainer: L.Trainer) -> int:
