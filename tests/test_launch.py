@@ -150,7 +150,7 @@ def test_a_node_but_the_first_of_a_launch_by_hand_is_quiet(monkeypatch):
 def test_runs_started_in_the_same_second_get_folders_of_their_own(monkeypatch, tmp_path):
     """They shared one, and overwrote each other's checkpoints; a folder the command names
     (a rerun in its folder, ddp's ranks 1..) is kept. Sweeps alike."""
-    for name in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID", "NODE_RANK"):
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_STEP_ID", "NODE_RANK"):
         monkeypatch.delenv(name, raising=False)
 
     class StoppedClock:
@@ -189,7 +189,8 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(monkeypatch, t
     for _ in range(2):
         assert sweep_folder("hparams_search=optuna", "hydra.sweeper.study_name=navit") == (str(study), [])
     # a SLURM task but the first: its run's folder, which the first task made
-    for name, value in {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_JOB_ID": "7"}.items():
+    srun_task = {"SLURM_NTASKS": "2", "SLURM_PROCID": "1", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
+    for name, value in srun_task.items():
         monkeypatch.setenv(name, value)
     (runs / "slurm-7.0").mkdir()
     assert run_folder() == str(runs / "slurm-7.0")
