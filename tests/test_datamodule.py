@@ -303,14 +303,26 @@ if __name__ == "__main__":
     print(*descendants(os.getpid()), flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
 """
+# The pool that generates the built-in set and indexes a folder, killed after its first result
+KILLED_POOL = """
+import os, signal, time
+from navit_lightning.data.workers import map_with_progress
+from navit_lightning.utils.shutdown import descendants
+
+if __name__ == "__main__":
+    for _ in map_with_progress(time.sleep, [0.5] * 64, "sleeping", workers=2, chunksize=1):
+        print(*descendants(os.getpid()), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
 
 
-def test_loader_workers_end_with_a_training_process_killed_by_sigkill(project_root, tmp_path):
+@pytest.mark.parametrize("killed", [KILLED_LOADER, KILLED_POOL], ids=["loader", "generation-pool"])
+def test_loader_workers_end_with_a_training_process_killed_by_sigkill(project_root, tmp_path, killed):
     """Workers start from a forkserver (the data config's default), so their parent is the
     server, not the training process; they must still end with it, and the server with
     them, or they outlive the run and hold its output pipes open."""
-    script = tmp_path / "killed_loader.py"
-    script.write_text(KILLED_LOADER)
+    script = tmp_path / "killed.py"
+    script.write_text(killed)
     result = subprocess.run(
         [sys.executable, str(script), str(project_root / TINY_SET)],
         capture_output=True,

@@ -83,8 +83,14 @@ def map_with_progress(
     """function(item) for every item, in order, over `workers` processes (a module-level
     function: it is pickled), with a progress bar."""
     # forkserver: the progress bar's thread is running when the pool starts a process (see
-    # the data config's multiprocessing_context)
-    pool = ProcessPoolExecutor(workers, mp_context=start_context("forkserver"))
+    # the data config's multiprocessing_context). Its workers end with this process, as a
+    # loader's do: killed with SIGKILL while generating, it left them behind for good.
+    pool = ProcessPoolExecutor(
+        workers,
+        mp_context=start_context("forkserver"),
+        initializer=exit_with_process,
+        initargs=(os.getpid(), 0),
+    )
     with Progress() as progress, pool:
         task = progress.add_task(description, total=len(items))
         for result in pool.map(function, items, chunksize=chunksize):
