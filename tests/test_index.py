@@ -5,6 +5,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from contextlib import contextmanager
 
 import numpy as np
@@ -131,6 +132,35 @@ def test_the_datamodule_plans_from_the_manifest_without_opening_an_image(tmp_pat
         list(fresh.batch_sampler("train"))
     assert opened == []
     assert len(fresh.datasets["train"]) + len(fresh.datasets["val"]) == 20  # the broken file left out
+
+
+def test_two_writers_of_one_process_id_save_one_manifest(tmp_path, monkeypatch):
+    """Processes in containers, or on nodes sharing a file system, may have one process id:
+    both wrote a partial file of one name, and the second rename failed."""
+    manifest = index_folder(make_folder(tmp_path / "images"))
+    both_written = threading.Barrier(2)
+    savez = np.savez
+
+    def savez_then_wait(file, **arrays):
+        savez(file, **arrays)
+        both_written.wait(timeout=30)
+
+    monkeypatch.setattr(index.np, "savez", savez_then_wait)
+    failures = []
+
+    def save() -> None:
+        try:
+            manifest.save(tmp_path / "manifest.npz")
+        except OSError as error:
+            failures.append(error)
+
+    writers = [threading.Thread(target=save) for _ in range(2)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=60)
+    assert failures == [] and Manifest.load(tmp_path / "manifest.npz").same_as(manifest)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["images", "manifest.npz"]
 
 
 def test_the_index_command_builds_the_manifest(tmp_path):

@@ -19,6 +19,7 @@ import logging
 import os
 import struct
 import time
+import uuid
 import zipfile
 from collections import Counter
 from collections.abc import Iterator
@@ -123,10 +124,12 @@ class Manifest:
         return self.sizes[:, 0] >= 0
 
     def save(self, path: Path) -> None:
-        """Written whole, then renamed: a reader sees the old manifest or the new one."""
+        """Written whole, then renamed: a reader sees the old manifest or the new one. Its
+        name drawn at random: two writers of one process id (containers, nodes on a shared
+        file system) renamed one file, and the second failed."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        with open(partial, "wb") as file:
+        partial = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
+        with open(partial, "xb") as file:
             np.savez(
                 file,
                 version=np.array(MANIFEST_VERSION),
