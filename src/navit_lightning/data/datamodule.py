@@ -244,7 +244,7 @@ class PackedImageDataModule(L.LightningDataModule):
         # once per process: fit, then test and validate call this again
         if not self._indexed and not self.shards:
             self.class_names()  # a root that cannot train is refused before it is indexed
-            index_folder(self.root, self.index_dir, workers=os.cpu_count() or 1)
+            index_folder(self.root, self.index_dir, os.cpu_count() or 1, name_others=self.generate is None)
             self._indexed = True
 
     def predict_on(self, paths: list[Path]) -> None:

@@ -271,9 +271,12 @@ def _unchanged(
     return rows[same], was[same]
 
 
-def index_folder(root: Path, index_dir: str | Path | None = None, workers: int = 1) -> Manifest:
+def index_folder(
+    root: Path, index_dir: str | Path | None = None, workers: int = 1, name_others: bool = True
+) -> Manifest:
     """The manifest of every image file under root, brought up to date and saved: files
-    whose (mtime_ns, bytes) match the saved manifest are not opened."""
+    whose (mtime_ns, bytes) match the saved manifest are not opened. name_others: the line
+    counts the other files by suffix (not in the built-in set, whose marker is its own)."""
     started = time.perf_counter()
     path = manifest_path(root, index_dir)
     others: Counter[str] = Counter()
@@ -315,7 +318,7 @@ def index_folder(root: Path, index_dir: str | Path | None = None, workers: int =
         removed,
         int((~manifest.readable).sum()),
         path,
-        f"; {other_files(others)}" if others else "",
+        f"; {other_files(others)}" if others and name_others else "",
     )
     return manifest
 
