@@ -57,7 +57,7 @@ def test_predict_a_messy_folder_to_the_end(run_entry_point, trained, tmp_path):
         assert ranked == sorted(ranked, reverse=True) and 0 < sum(ranked) <= 1 + 1e-5
     for name in BROKEN:
         assert len(re.findall(rf"skipping \S*{re.escape(name)}:", output)) == 1, name
-    assert f"{len(readable)} image(s) predicted, {len(BROKEN)} unreadable file(s) left out" in output
+    assert f"{len(readable)} image(s) predicted, {len(BROKEN)} file(s) left out as unreadable" in output
 
 
 def test_predicted_classes_are_those_eval_counts(run_entry_point, trained, tmp_path):
@@ -224,13 +224,30 @@ def test_the_csv_lists_at_most_every_class_most_probable_first_in_input_order(tm
     ]
 
 
-def fake_trainer(rank: int, world_size: int, barriers: list[int]) -> SimpleNamespace:
+def fake_trainer(rank: int, world_size: int, barriers: list[int], batches: int = 1) -> SimpleNamespace:
+    """A trainer of `world_size` ranks whose loader has `batches` batches, one predicted."""
     return SimpleNamespace(
         global_rank=rank,
         world_size=world_size,
         is_global_zero=rank == 0,
         strategy=SimpleNamespace(barrier=lambda: barriers.append(rank)),
+        num_predict_batches=[1],
+        predict_dataloaders=[None] * batches,
     )
+
+
+@pytest.mark.parametrize(
+    ("batches", "said"), [(1, "left out as unreadable"), (3, "left out by trainer.limit")]
+)
+def test_files_a_batch_limit_left_out_are_not_called_unreadable(tmp_path, caplog, batches, said):
+    """fast_dev_run or trainer.limit_predict_batches: 32 files never read were 'unreadable'."""
+    writer = PredictionWriter(tmp_path / "predictions.csv", [Path("a.png"), Path("b.png")], ["x", "y"], 1)
+    trainer = fake_trainer(0, 1, [], batches)
+    writer.on_predict_start(trainer, None)
+    writer.write_on_batch_end(trainer, None, (torch.tensor([0]), torch.tensor([[0.9, 0.1]])))
+    with caplog.at_level("INFO"):
+        writer.on_predict_end(trainer, None)
+    assert f"1 image(s) predicted, 1 file(s) {said}" in caplog.text
 
 
 def test_two_ranks_parts_merge_in_input_order_and_are_removed(tmp_path):

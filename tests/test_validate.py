@@ -66,6 +66,7 @@ def config(*overrides: str):
         (0, ["trainer.use_distributed_sampler=true"], "shares every epoch among the ranks itself"),
         (0, ["patch_budgets=[16,0]"], "must be a list of positive patch counts, e.g. patch_budgets="),
         (0, ["patch_budgets=36"], "must be a list of positive patch counts"),
+        (0, ["patch_budgets=[true]"], "must be a list of positive patch counts"),  # taken as 1
         (0, ["model.lr_scaling=square"], "model.lr_scaling='square' is unknown: use one of"),
         (
             0,

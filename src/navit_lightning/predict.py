@@ -116,11 +116,14 @@ class PredictionWriter(BasePredictionWriter):
             writer = csv.writer(file)
             writer.writerow(self.header())
             writer.writerows(row[1:] for row in rows)
-        left_out = len(self.paths) - len(rows)
-        rank_zero_info(
-            f"{self.path}: {len(rows)} image(s) predicted"
-            + (f", {left_out} unreadable file(s) left out (named above)" if left_out else "")
-        )
+        said = f"{self.path}: {len(rows)} image(s) predicted"
+        if left_out := len(self.paths) - len(rows):
+            # a limit on the batches (trainer.limit_predict_batches, fast_dev_run) reads fewer:
+            # its files were counted as unreadable
+            limited = sum(trainer.num_predict_batches) < len(trainer.predict_dataloaders)
+            why = "by trainer.limit_predict_batches or fast_dev_run, and" if limited else "as"
+            said += f", {left_out} file(s) left out {why} unreadable (named above)"
+        rank_zero_info(said)
 
 
 def predict(cfg: DictConfig) -> Path:

@@ -188,8 +188,8 @@ def accuracy_across_budgets(
     if len(set(counts)) > 1:  # a batch holds fewer images at a larger budget
         rank_zero_warn(
             f"the patch budgets {budgets} scored {counts} images: trainer.limit_{split}_batches (or "
-            "debug=limit, fast_dev_run, overfit_batches) limits each budget's batches, so the curve "
-            "compares other images at each budget"
+            "fast_dev_run, overfit_batches, debug=limit in training) limits each budget's batches, "
+            "so the curve compares other images at each budget"
         )
     return results
 

@@ -269,7 +269,7 @@ def check_monitors(callbacks: DictConfig | None, monitorable: set[str]) -> None:
 def check_patch_budgets(budgets: object) -> None:
     if budgets is None:
         return
-    if not isinstance(budgets, Sequence) or not all(isinstance(b, int) and b > 0 for b in budgets):
+    if not isinstance(budgets, Sequence) or not all(is_count(budget) for budget in budgets):
         raise ConfigError(
             f"patch_budgets={budgets} must be a list of positive patch counts, "
             "e.g. patch_budgets=[9,16,36,64]"
