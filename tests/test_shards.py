@@ -91,6 +91,20 @@ def test_a_folder_without_shards_is_refused_with_the_command_that_writes_them(tm
         PackedImageDataModule(str(tmp_path), shards=True).class_names()
 
 
+def test_a_rewrite_cut_short_leaves_no_shard_folder_to_read(project_root, tmp_path, monkeypatch):
+    """The old manifest's spans were read in the new tars: other images, under old labels."""
+    write_shards(project_root / TINY_SET, tmp_path / "shards", samples_per_shard=64)
+
+    def cut_short(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("navit_lightning.data.shards._add", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        write_shards(project_root / TINY_SET, tmp_path / "shards", samples_per_shard=64)
+    with pytest.raises(DataError):
+        PackedImageDataModule(str(tmp_path / "shards"), shards=True).class_names()
+
+
 def test_a_folder_that_cannot_train_is_not_sharded(tmp_path):
     """It was written, and training failed mid-fit (one class) or refused it later."""
     Image.new("RGB", (8, 8)).save(tmp_path / "x.png")
