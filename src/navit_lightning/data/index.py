@@ -207,10 +207,8 @@ def image_entries(root: Path, others: Counter[str] | None = None) -> Iterator[tu
 
 
 def other_files(others: Counter[str]) -> str:
-    """What image_entries counted in `others`, for a log line: "3 files of other types left out
-    (.heic 2, no suffix 1)", or "" for none."""
-    if not others:
-        return ""
+    """What image_entries counted in `others` (some), for a log line: "3 file(s) of other
+    types left out (.heic 2, no suffix 1)"."""
     kinds = ", ".join(f"{suffix or 'no suffix'} {count}" for suffix, count in others.most_common(5))
     more = ", ..." if len(others) > 5 else ""
     return f"{others.total()} file(s) of other types left out ({kinds}{more})"
