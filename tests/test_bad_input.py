@@ -205,7 +205,9 @@ def test_every_loader_names_the_files_it_could_not_decode_whatever_the_callbacks
     report.epoch["test"] = 0
     counts["test/unreadable_images/dataloader_idx_1"] = torch.tensor(2.0)  # the same images at another budget
     with caplog.at_level(logging.WARNING):
-        report.on_test_end(SimpleNamespace(callback_metrics=counts, is_global_zero=True), None)
+        report.on_test_end(
+            SimpleNamespace(callback_metrics=counts, is_global_zero=True, world_size=1), one_image_batches()
+        )
     assert "test epoch 0: skipped 2 images that could not be decoded" in caplog.text
 
 
@@ -461,13 +463,14 @@ def test_unreadable_images_are_warned_once_per_counted_epoch_at_its_number_and_n
     a hook with no batch counted since the last warning warns nothing, and a count of 0 is
     not worth a line."""
     logged = []
-    module = SimpleNamespace(log=lambda name, value, **options: logged.append((name, value)))
+    module = one_image_batches(log=lambda name, value, **options: logged.append((name, value)))
     dataset = SimpleNamespace(take_unreadable_count=lambda: 1)
     trainer = SimpleNamespace(
         datamodule=SimpleNamespace(datasets={"train": dataset, "val": dataset}),
         current_epoch=3,
         sanity_checking=True,
         is_global_zero=True,
+        world_size=1,
         callback_metrics={
             "val/unreadable_images": torch.tensor(1.0),
             "train/unreadable_images": torch.tensor(0.0),
@@ -486,3 +489,77 @@ def test_unreadable_images_are_warned_once_per_counted_epoch_at_its_number_and_n
     assert logged == [("val/unreadable_images", 1.0)] * 2 + [("train/unreadable_images", 1.0)]
     warned = re.findall(r"\w+ epoch \d+: skipped .*", caplog.text)
     assert warned == ["val epoch 3: skipped 1 image that could not be decoded"]
+
+
+def one_image_batches(**module) -> SimpleNamespace:
+    """A LightningModule's stand-in whose every batch holds one decoded image."""
+    return SimpleNamespace(batch_counts=SimpleNamespace(images=1), device=torch.device("cpu"), **module)
+
+
+def test_a_stage_that_decoded_no_image_stops_the_run_and_one_that_decoded_some_goes_on():
+    """The data folder unmounted mid-run: every image failed, and the run trained on nothing
+    and logged val/acc 0.0 to the end (a sweep's trial scored 0.0). The sanity check and the
+    stages before count toward no later check."""
+    failing = SimpleNamespace(take_unreadable_count=lambda: 2)
+    trainer = SimpleNamespace(
+        datamodule=SimpleNamespace(datasets={"train": failing, "val": failing}, root=Path("/mnt/gone")),
+        current_epoch=4,
+        sanity_checking=False,
+        is_global_zero=True,
+        world_size=1,
+        callback_metrics={},
+    )
+    decoding, none_decoded = (
+        one_image_batches(log=lambda *_, **__: None),
+        one_image_batches(log=lambda *_, **__: None),
+    )
+    none_decoded.batch_counts.images = 0
+    report = UnreadableImageReport()
+    report.on_train_batch_end(trainer, decoding)
+    report.on_train_batch_end(trainer, none_decoded)
+    report.on_train_epoch_end(trainer, decoding)  # one image decoded: goes on
+    trainer.sanity_checking = True
+    report.on_validation_batch_end(trainer, none_decoded)
+    report.on_validation_end(trainer, none_decoded)  # the sanity check's: no epoch's
+    trainer.sanity_checking = False
+    report.on_validation_end(trainer, none_decoded)  # no batch since: nothing to check
+    report.on_train_batch_end(trainer, none_decoded)
+    with pytest.raises(
+        DataError, match=r"^train epoch 4: none of its 2 images could be decoded .* under /mnt/gone"
+    ):
+        report.on_train_epoch_end(trainer, none_decoded)
+    report.on_validation_batch_end(trainer, none_decoded)
+    with pytest.raises(DataError, match=r"^val epoch 4: none of its 2 images"):
+        report.on_validation_end(trainer, none_decoded)
+
+
+@pytest.mark.slow
+def test_a_ddp_run_whose_images_all_fail_to_decode_stops_on_every_rank_with_one_line(
+    run_entry_point, tmp_path
+):
+    """Counted on each rank, checked over all of them: every rank stops at the same hook."""
+    noise = np.random.default_rng(0).integers(0, 256, (48, 40, 3), dtype=np.uint8)
+    for cls in ("a", "b"):
+        for index in range(12):
+            whole = save(Image.fromarray(noise), tmp_path / "damaged" / cls / f"{index}.png").read_bytes()
+            (tmp_path / "damaged" / cls / f"{index}.png").write_bytes(whole[: len(whole) // 2])
+    result = run_entry_point(
+        "train.py",
+        *TINY_TRAINING,
+        "data=imagefolder",
+        f"data.root={tmp_path / 'damaged'}",
+        "strategy=ddp",
+        "trainer.devices=2",
+        "trainer.accelerator=cpu",
+        check=False,
+        timeout=240,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    errors = set(re.findall(r"error: (.*)", output))  # the same line from each rank
+    assert len(errors) == 1 and re.fullmatch(
+        rf"val epoch 0: none of its \d+ images could be decoded \(named above\): the images under "
+        rf"{re.escape(str(tmp_path / 'damaged'))} are gone or damaged; .*",
+        errors.pop(),
+    ), errors
+    assert "Traceback" not in output

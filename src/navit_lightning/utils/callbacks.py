@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import EarlyStopping, ThroughputMonitor, Weight
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
-from navit_lightning.errors import ConfigError, is_whole
+from navit_lightning.errors import ConfigError, DataError, is_whole
 from navit_lightning.utils.host_memory import keep_freed_memory
 
 log = logging.getLogger(__name__)
@@ -165,10 +165,16 @@ class RankStepReport(L.Callback):
 class UnreadableImageReport(L.Callback):
     """Counts the images that failed to decode (each was named in a warning when it first
     failed) as `<stage>/unreadable_images`, summed over the epoch and the ranks by Lightning's
-    own logging (see the note above), and warns once the stage's count is known."""
+    own logging (see the note above), and warns once the stage's count is known.
+
+    A stage that decoded no image and failed some (the data folder unmounted or moved while
+    the run went on) stops the run before its checkpoint is saved: it had trained on nothing
+    and logged 0.0 accuracy, and a sweep took the 0.0 for the trial's score."""
 
     def __init__(self) -> None:
         self.epoch: dict[str, int] = {}  # the epoch each stage last counted
+        # this rank's images since the stage's last check: (decoded, failed)
+        self.since_check: dict[str, tuple[int, int]] = {}
 
     @staticmethod
     def monitorable_metrics() -> set[str]:
@@ -189,9 +195,12 @@ class UnreadableImageReport(L.Callback):
         if dataset is None:
             return
         self.epoch[stage] = trainer.current_epoch
+        failed = dataset.take_unreadable_count()  # since the last batch, in this rank's workers
+        decoded, failed_before = self.since_check.get(stage, (0, 0))
+        self.since_check[stage] = (decoded + pl_module.batch_counts.images, failed_before + failed)
         pl_module.log(
             f"{stage}/unreadable_images",
-            float(dataset.take_unreadable_count()),  # since the last batch, in this rank's workers
+            float(failed),
             on_step=False,
             on_epoch=True,
             reduce_fx="sum",
@@ -200,19 +209,40 @@ class UnreadableImageReport(L.Callback):
         )
 
     # Lightning has reduced the epoch's metrics by these hooks (the train epoch's by the
-    # next epoch's start, or the end of fit).
+    # next epoch's start, or the end of fit). The checks run before ModelCheckpoint's hooks of
+    # the same name (Lightning puts checkpoint callbacks last).
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._warn(trainer, "train")
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._refuse_none_decoded(trainer, pl_module, "train")
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._warn(trainer, "train")
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.sanity_checking:
-            self._warn(trainer, "val")
+        if trainer.sanity_checking:  # its batches are no epoch's
+            self.since_check.pop("val", None)
+            return
+        self._refuse_none_decoded(trainer, pl_module, "val")
+        self._warn(trainer, "val")
 
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._refuse_none_decoded(trainer, pl_module, "test")
         self._warn(trainer, "test")
+
+    def _refuse_none_decoded(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Every rank runs these hooks, in step, and enters the sum: the counts are per rank.
+        counts = torch.tensor(self.since_check.pop(stage, (0, 0)), device=pl_module.device)
+        if trainer.world_size > 1:  # dp's reduce would average the two counts
+            counts = trainer.strategy.reduce(counts, reduce_op="sum")
+        decoded, failed = counts.tolist()
+        if failed and not decoded:
+            raise DataError(
+                f"{stage} epoch {trainer.current_epoch}: none of its {failed} images could be decoded "
+                f"(named above): the images under {trainer.datamodule.root} are gone or damaged; "
+                "restore them and run again (ckpt_path=last resumes a training run)"
+            )
 
     def _warn(self, trainer: L.Trainer, stage: str) -> None:
         if stage not in self.epoch:
