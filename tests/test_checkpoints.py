@@ -200,6 +200,10 @@ def test_eval_on_a_data_group_takes_its_images_with_the_runs_sizes_and_what_the_
     data = data_for(cfg, run, given={"root", "rows"})
     assert data._target_ == target and data.root == str(tmp_path) and data.generate is None
     assert data.max_patches == 144 and data.rows == 2 and data.evaluate_all  # not the run's folder
+    # a copy or shards of the run's folder, said so: its split held out (it was overridden)
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("eval", overrides=[*overrides, "data.evaluate_all=false"])
+    assert data_for(cfg, run, given={"root", "rows", "evaluate_all"}).evaluate_all is False
     # the run's own folder, written another way: its held-out split, not all of it
     run.data.root = str(Path.home() / "images")
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):

@@ -56,6 +56,11 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     datamodule, model, trainer = build_from_checkpoint(cfg, run, data, [UnreadableImageReport()])
     if isinstance(datamodule, PackedImageDataModule) and not data.get("evaluate_all"):
         datamodule.hold_out_as(run.data)  # the images the run never trained on, as a test of it
+    elif data.get("evaluate_all") and "evaluate_all" not in given:
+        rank_zero_info(
+            f"{data.root} is not the folder the run trained on ({run.data.root}): all its images are "
+            "evaluated; a copy or shards of that folder hold out the run's split with data.evaluate_all=false"
+        )
     with loggers_closed_on_failure(trainer):
         check_same_classes(datamodule.class_names(), class_names, run.model.num_classes, cfg.ckpt_path)
         metrics = scores(cfg, datamodule, model, trainer)

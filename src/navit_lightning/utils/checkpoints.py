@@ -443,8 +443,10 @@ def data_for(cfg: DictConfig, run: DictConfig, given: Collection[str] = ()) -> D
     merged = OmegaConf.merge(run.data, chosen)
     if "root" in chosen:  # resolved where the command's config can (data.root=${paths.data_dir}/x)
         merged.root = absolute_path(data.root)
-        if not same_folder(merged.root, run.data.root):
-            # a folder the run did not train on: all its images are evaluated, none held out
+        if not same_folder(merged.root, run.data.root) and "evaluate_all" not in given:
+            # taken for a folder the run did not train on: all its images are evaluated, none
+            # held out. A copy or shards of the run's folder, given evaluate_all=false, hold out
+            # the run's split (drawn from the images' paths within it).
             merged.evaluate_all = True
     return merged
 
