@@ -55,6 +55,11 @@ def config(*overrides: str):
         (0, ["model.net.attention=varlen"], "varlen is flash attention on CUDA: on CPU use"),
         (2, ["model.net.attention=varlen"], "needs bf16 or fp16 but trainer.precision=32-true"),
         (0, ["model.net.attention=flex"], "flex cannot train on CPU"),
+        (  # they held neither the run's config nor its class names, and failed in eval.py
+            0,
+            ["+callbacks.model_checkpoint.save_weights_only=true"],
+            "callbacks.model_checkpoint.save_weights_only=true: Lightning leaves the callbacks' part out",
+        ),
         (0, ["~logger"], "callbacks.learning_rate_monitor needs a logger and the config has none (~logger"),
         (
             0,
@@ -136,6 +141,37 @@ def test_eval_and_predict_refuse_what_they_miss(task, overrides, message):
     run = {"eval": evaluate, "predict": predict}[task]
     with pytest.raises(ConfigError, match=re.escape(message)):
         run(cfg)
+
+
+def saved_run(folder, attention: str):
+    """A checkpoint file of a run with this attention backend, as eval.py's checks read it."""
+    path = folder / "run.ckpt"
+    torch.save({"state_dict": {}, "run_config": {"model": {"net": {"attention": attention}}}}, path)
+    return path
+
+
+@pytest.mark.parametrize("task", ["eval", "predict"])
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ([], "model.net.attention=varlen is flash attention on CUDA: on CPU use +model.net.attention=auto"),
+        (["+model.net.attention=flex"], None),  # FlexAttention's forward runs on CPU
+        (["+model.net.attention=varlen"], "on CPU use +model.net.attention=auto"),
+    ],
+)
+def test_eval_and_predict_check_the_checkpoints_attention_before_they_start(
+    tmp_path, task, overrides, message
+):
+    """A run trained on a GPU with varlen, evaluated on a CPU: it failed in a traceback from
+    the first batch (flash attention has no CPU kernel), the advice of its error too."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        given = [f"ckpt_path={saved_run(tmp_path, 'varlen')}", "trainer.accelerator=cpu", *overrides]
+        cfg = compose(task, overrides=given + (["input=."] if task == "predict" else []))
+    if message is None:
+        validate.check_launch(cfg, training=False)
+        return
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        {"eval": evaluate, "predict": predict}[task](cfg)
 
 
 @pytest.mark.parametrize(
@@ -339,13 +375,11 @@ def test_a_sweep_of_several_processes_under_torchrun_is_refused(monkeypatch):
     validate.check_sweep_launch(config().trainer, 1)
 
 
-@pytest.mark.parametrize(
-    ("task", "given"), [("eval", ["ckpt_path=run.ckpt"]), ("predict", ["ckpt_path=run.ckpt", "input=images"])]
-)
-def test_eval_and_predict_take_seed_null(task, given):
+@pytest.mark.parametrize(("task", "given"), [("eval", []), ("predict", ["input=images"])])
+def test_eval_and_predict_take_seed_null(tmp_path, task, given):
     """They plan no training epochs: seed=null has Lightning draw one, as it did."""
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(task, overrides=[*given, "seed=null"])
+        cfg = compose(task, overrides=[f"ckpt_path={saved_run(tmp_path, 'auto')}", *given, "seed=null"])
     check_launch(cfg, training=False)
 
 

@@ -39,7 +39,6 @@ from navit_lightning.utils.validate import check_launch
 def evaluate(cfg: DictConfig) -> dict[str, float]:
     """Accuracy of the checkpoint's network on the chosen split of cfg.data (without one, the
     training run's data), at each of cfg.patch_budgets if given (accuracy across resolutions)."""
-    check_launch(cfg, training=False)
     if cfg.split not in ("val", "test"):
         raise ConfigError(f"split={cfg.split!r} is unknown: use split=val or split=test")
     limit = f"limit_{cfg.split}_batches"
@@ -47,6 +46,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
         raise ConfigError(
             f"trainer.{limit}=0 evaluates no batch: leave it out for all of them, or give a count or a share"
         )
+    check_launch(cfg, training=False)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     run, class_names = load_training_run(cfg.ckpt_path)
     given = data_keys_given()

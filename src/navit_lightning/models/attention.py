@@ -230,7 +230,7 @@ class VarlenBackend(RowLayout):
         if dtype not in HALF_DTYPES:
             raise ConfigError(
                 "model.net.attention=varlen needs bf16 or fp16: use trainer.precision=bf16-mixed, "
-                "or model.net.attention=flex for float32"
+                "or model.net.attention=auto for float32"
             )
         q, k, v = (t.to(dtype).flatten(0, 1).contiguous() for t in (q, k, v))
         out = varlen_attn(q, k, v, offsets, offsets, max_len, max_len)

@@ -22,7 +22,12 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.errors import ConfigError, is_count, is_whole, require_counts
-from navit_lightning.utils.checkpoints import CKPT_PATH_EXAMPLE, LIGHTNING_CKPT_NAMES, read_checkpoint
+from navit_lightning.utils.checkpoints import (
+    CKPT_PATH_EXAMPLE,
+    LIGHTNING_CKPT_NAMES,
+    load_training_run,
+    read_checkpoint,
+)
 from navit_lightning.utils.instantiate import dotted_settings
 from navit_lightning.utils.launch import in_sweep, srun_tasks
 from navit_lightning.utils.schedules import check_lr_scaling
@@ -122,6 +127,12 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
             "epoch among the ranks itself, and Lightning cannot wrap it in its own; keep false"
         )
     check_patch_budgets(cfg.get("patch_budgets"))
+    if not training:
+        # the checkpoint's backend (a run trained on a GPU with varlen), or one given with a +
+        attention = OmegaConf.select(cfg, "model.net.attention") or (
+            load_training_run(cfg.ckpt_path)[0].model.net.attention
+        )
+        check_attention(attention, on_gpu, str(trainer.precision), training=False)
     if training:
         check_training_numbers(trainer)
         check_optimization(cfg.model)
@@ -140,10 +151,20 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
                 f"model.net.channels={cfg.model.net.channels}: the data module gives RGB patches "
                 "(grey images too are converted to RGB); keep 3"
             )
+        callbacks = {name: callback for name, callback in (cfg.get("callbacks") or {}).items() if callback}
+        if weights_only := [
+            name for name, callback in callbacks.items() if callback.get("save_weights_only")
+        ]:
+            # Lightning calls no callback's on_save_checkpoint for them
+            raise ConfigError(
+                f"callbacks.{weights_only[0]}.save_weights_only=true: Lightning leaves the callbacks' "
+                "part out of such a checkpoint, the run's config and class names that eval.py, "
+                "predict.py and init_from read (and callbacks=ema's average): keep it false"
+            )
         logging_callbacks = [
             name
-            for name, callback in (cfg.get("callbacks") or {}).items()
-            if callback and str(callback.get("_target_")).endswith(CALLBACKS_NEEDING_A_LOGGER)
+            for name, callback in callbacks.items()
+            if str(callback.get("_target_")).endswith(CALLBACKS_NEEDING_A_LOGGER)
         ]
         if not cfg.get("logger") and logging_callbacks:
             # Lightning's fail at the start of fit without a logger, in a traceback
@@ -276,17 +297,18 @@ def check_patch_budgets(budgets: object) -> None:
         )
 
 
-def check_attention(backend: str, on_gpu: bool, precision: str) -> None:
+def check_attention(backend: str, on_gpu: bool, precision: str, training: bool = True) -> None:
+    """training=False: eval.py's and predict.py's backend, the checkpoint's (a run trained on a
+    GPU with varlen), which a `+` changes there; FlexAttention evaluates on CPU."""
+    setting = "model.net.attention" if training else "+model.net.attention"
     if backend == "varlen" and not on_gpu:
-        raise ConfigError(
-            "model.net.attention=varlen is flash attention on CUDA: on CPU use model.net.attention=auto"
-        )
+        raise ConfigError(f"model.net.attention=varlen is flash attention on CUDA: on CPU use {setting}=auto")
     if backend == "varlen" and precision not in HALF_PRECISIONS:
         raise ConfigError(
             f"model.net.attention=varlen needs bf16 or fp16 but trainer.precision={precision}: "
-            "use trainer.precision=bf16-mixed, or model.net.attention=auto"
+            f"use trainer.precision=bf16-mixed, or {setting}=auto"
         )
-    if backend == "flex" and not on_gpu:
+    if backend == "flex" and not on_gpu and training:
         raise ConfigError(
             "model.net.attention=flex cannot train on CPU (torch has no FlexAttention backward there): "
             "use model.net.attention=auto"
