@@ -1,5 +1,6 @@
 """Every config file composes, and what it describes instantiates."""
 
+import re
 import shutil
 from pathlib import Path
 
@@ -111,6 +112,18 @@ def test_eval_config_composes(tmp_path):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("eval", overrides=["ckpt_path=x.ckpt"])
     assert cfg.split == "test" and cfg.ckpt_path == "x.ckpt"
+
+
+@pytest.mark.parametrize("task", ["eval", "predict"])
+def test_eval_and_predict_help_name_the_groups_their_config_composes(task):
+    """Hydra's --help listed every folder of configs/: debug=limit, model=... and logger=csv
+    (predict.py) failed there with Hydra's "Could not override"."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(task, overrides=["ckpt_path=x.ckpt"], return_hydra_config=True)
+        choices = cfg.hydra.runtime.choices
+    composed = {group for group in choices if not group.startswith(("hydra", "local")) and "/" not in group}
+    named = re.search(r"composes these \(group=option\): ([\w, ]+);", cfg.hydra.help.template)
+    assert named and set(named.group(1).split(", ")) == composed
 
 
 @pytest.mark.parametrize("task", ["train", "eval", "predict"])
