@@ -1,7 +1,7 @@
 """Errors that name a bad setting or input and its fix: the entry points print them as one
 line and exit with code 2 (utils/entry_point.refuse_bad_input)."""
 
-from numbers import Integral
+from numbers import Integral, Real
 
 
 class ConfigError(ValueError):
@@ -12,12 +12,18 @@ class DataError(ValueError):
     """The data cannot be used as configured; the message says what to change."""
 
 
+def is_number(value: object) -> bool:
+    """A real number (not a bool, nor a string: Hydra reads `abc` and `1e-3x` as strings)."""
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
 def require_positive(prefix: str, **settings: float | None) -> None:
-    """Refuse the first of `settings` (named `<prefix>.<name>`) that is set and not above 0,
-    where it would otherwise fail deep inside torch (a division by zero) or run silently."""
+    """Refuse the first of `settings` (named `<prefix>.<name>`) that is set and not a number
+    above 0, where it would otherwise fail deep inside torch (a division by zero, a string
+    compared) or run silently."""
     for name, value in settings.items():
-        if value is not None and not value > 0:
-            raise ConfigError(f"{prefix}.{name}={value} must be above 0")
+        if value is not None and not (is_number(value) and value > 0):
+            raise ConfigError(f"{prefix}.{name}={value} must be a number above 0")
 
 
 def is_whole(value: object) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from navit_lightning.errors import ConfigError
+from navit_lightning.errors import ConfigError, is_number
 
 # The exponent of the effective batch's growth that a learning rate follows: sqrt is the usual
 # start for Adam-type optimizers, linear (Goyal et al., 2017) for SGD.
@@ -22,7 +22,7 @@ def check_lr_scaling(rule: str | None, reference_tokens: int) -> None:
             f"model.lr_scaling={rule!r} is unknown: use one of {sorted(LR_SCALING_EXPONENTS)}, "
             "or null for optimizer.lr as given"
         )
-    if rule is not None and not reference_tokens >= 1:
+    if rule is not None and not (is_number(reference_tokens) and reference_tokens >= 1):
         raise ConfigError(
             f"model.lr_reference_tokens={reference_tokens} must be 1 or more: the tokens a step "
             "that optimizer.lr was tuned at"
