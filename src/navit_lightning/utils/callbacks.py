@@ -168,13 +168,14 @@ class UnreadableImageReport(L.Callback):
     own logging (see the note above), and warns once the stage's count is known.
 
     A stage that decoded no image and failed some (the data folder unmounted or moved while
-    the run went on) stops the run before its checkpoint is saved: it had trained on nothing
-    and logged 0.0 accuracy, and a sweep took the 0.0 for the trial's score."""
+    the run went on) stops the run: it trained on nothing and logged 0.0 accuracy to the end,
+    and a sweep took the 0.0 for the trial's score. A validation stops it before its
+    checkpoint is saved (the checks run before ModelCheckpoint's hooks of the same name:
+    Lightning puts checkpoint callbacks last); a training epoch, once its metrics are
+    reduced, at the next epoch's start."""
 
     def __init__(self) -> None:
         self.epoch: dict[str, int] = {}  # the epoch each stage last counted
-        # this rank's images since the stage's last check: (decoded, failed)
-        self.since_check: dict[str, tuple[int, int]] = {}
 
     @staticmethod
     def monitorable_metrics() -> set[str]:
@@ -195,72 +196,69 @@ class UnreadableImageReport(L.Callback):
         if dataset is None:
             return
         self.epoch[stage] = trainer.current_epoch
-        failed = dataset.take_unreadable_count()  # since the last batch, in this rank's workers
-        decoded, failed_before = self.since_check.get(stage, (0, 0))
-        self.since_check[stage] = (decoded + pl_module.batch_counts.images, failed_before + failed)
-        pl_module.log(
-            f"{stage}/unreadable_images",
-            float(failed),
-            on_step=False,
-            on_epoch=True,
-            reduce_fx="sum",
-            sync_dist=True,
-            batch_size=1,
-        )
-
-    # Lightning has reduced the epoch's metrics by these hooks (the train epoch's by the
-    # next epoch's start, or the end of fit). The checks run before ModelCheckpoint's hooks of
-    # the same name (Lightning puts checkpoint callbacks last).
-    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._warn(trainer, "train")
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._refuse_none_decoded(trainer, pl_module, "train")
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._warn(trainer, "train")
-
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking:  # its batches are no epoch's
-            self.since_check.pop("val", None)
-            return
-        self._refuse_none_decoded(trainer, pl_module, "val")
-        self._warn(trainer, "val")
-
-    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._refuse_none_decoded(trainer, pl_module, "test")
-        self._warn(trainer, "test")
-
-    def _refuse_none_decoded(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # Every rank runs these hooks, in step, and enters the sum: the counts are per rank.
-        counts = torch.tensor(self.since_check.pop(stage, (0, 0)), device=pl_module.device)
-        if trainer.world_size > 1:  # dp's reduce would average the two counts
-            counts = trainer.strategy.reduce(counts, reduce_op="sum")
-        decoded, failed = counts.tolist()
-        if failed and not decoded:
-            raise DataError(
-                f"{stage} epoch {trainer.current_epoch}: none of its {failed} images could be decoded "
-                f"(named above): the images under {trainer.datamodule.root} are gone or damaged; "
-                "restore them and run again (ckpt_path=last resumes a training run)"
+        # the failures since the last batch, in this rank's workers; the decoded images for the
+        # check alone, not to the loggers
+        counts = {
+            "unreadable_images": dataset.take_unreadable_count(),
+            "decoded_images": pl_module.batch_counts.images,
+        }
+        for name, count in counts.items():
+            pl_module.log(
+                f"{stage}/{name}",
+                float(count),
+                on_step=False,
+                on_epoch=True,
+                reduce_fx="sum",
+                sync_dist=True,
+                batch_size=1,
+                logger=name == "unreadable_images",
             )
 
-    def _warn(self, trainer: L.Trainer, stage: str) -> None:
+    # Lightning has reduced the epoch's metrics by these hooks (the train epoch's by the
+    # next epoch's start, or the end of fit).
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._report(trainer, "train")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._report(trainer, "train")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._report(trainer, "val")
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._report(trainer, "test")
+
+    def _report(self, trainer: L.Trainer, stage: str) -> None:
+        """Warn of the epoch's unreadable images; stop where it decoded none. On every rank
+        alike: the reduced metrics are equal on all of them."""
         if stage not in self.epoch:
             return
         epoch = self.epoch.pop(stage)  # once per counted epoch
-        # an evaluation at several patch budgets logs it per loader, each over every image
-        name = f"{stage}/unreadable_images"
+        failed, decoded = (
+            self._total(trainer, f"{stage}/{name}") for name in ("unreadable_images", "decoded_images")
+        )
+        if failed and trainer.is_global_zero:
+            # a log line, which train.log keeps (a Python warning reached the console alone)
+            count = f"{failed} image{'s' if failed > 1 else ''}"
+            log.warning("%s epoch %d: skipped %s that could not be decoded", stage, epoch, count)
+        if failed and not decoded:
+            raise DataError(
+                f"{stage} epoch {epoch}: none of its {failed} images could be decoded (named above): "
+                f"the images under {trainer.datamodule.root} are gone or damaged; restore them and "
+                "run again (ckpt_path=last resumes a training run)"
+            )
+
+    @staticmethod
+    def _total(trainer: L.Trainer, name: str) -> int:
+        """The epoch's count of `name`; of an evaluation at several patch budgets, which logs
+        it per loader, each over every image, the largest."""
         totals = [
             value
             for key, value in trainer.callback_metrics.items()
             if key.split("/dataloader_idx_")[0] == name
         ]
-        total = max(totals, default=None)
-        if total is not None and total > 0:
-            count = f"{int(total)} image{'s' if total > 1 else ''}"
-            # a log line, which train.log keeps (a Python warning reached the console alone)
-            if trainer.is_global_zero:
-                log.warning("%s epoch %d: skipped %s that could not be decoded", stage, epoch, count)
+        return int(max(totals, default=0))
 
 
 class StopEarly(EarlyStopping):
