@@ -147,6 +147,40 @@ def test_a_node_but_the_first_of_a_launch_by_hand_is_quiet(monkeypatch):
     assert launch.quiet_rank_overrides() == []
 
 
+def test_a_run_folder_in_use_by_another_run_is_refused_and_free_once_it_ends(monkeypatch, tmp_path, capsys):
+    """Two runs given one hydra.run.dir at once: the second failed on the first's checkpoint
+    files and mixed both runs' logs. ddp's ranks 1.. run in their rank 0's folder."""
+    for name in (
+        "TORCHELASTIC_RUN_ID",
+        "SLURM_NTASKS",
+        "SLURM_PROCID",
+        "SLURM_STEP_ID",
+        "NODE_RANK",
+        "LOCAL_RANK",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", [f"hydra.run.dir={tmp_path / 'run'}"], return_hydra_config=True)
+    first = launch.UniqueRunFolder()
+    first.on_run_start(cfg)
+    with pytest.raises(SystemExit) as exit_:
+        launch.UniqueRunFolder().on_run_start(cfg)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: hydra.run.dir={tmp_path / 'run'} is in use by another run (process {os.getpid()}): "
+        "give this run a folder of its own, or wait for that run to end\n"
+    )
+    monkeypatch.setenv("LOCAL_RANK", "1")  # a rank Lightning's ddp started: its rank 0's folder
+    launch.UniqueRunFolder().on_run_start(cfg)
+    monkeypatch.delenv("LOCAL_RANK")
+    first.on_run_end(cfg)
+    assert not (tmp_path / "run" / ".run.lock").exists()  # the folder as the run left it
+    second = launch.UniqueRunFolder()
+    second.on_run_start(cfg)
+    assert (tmp_path / "run" / ".run.lock").read_text() == str(os.getpid())
+    second.on_run_end(cfg)
+
+
 def test_runs_started_in_the_same_second_get_folders_of_their_own(monkeypatch, tmp_path):
     """They shared one, and overwrote each other's checkpoints; a folder the command names
     (a rerun in its folder, ddp's ranks 1..) is kept. Sweeps alike."""

@@ -8,13 +8,14 @@ on its own: without this, each would name a folder by its own clock and append t
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -139,12 +140,26 @@ class UniqueRunFolder(Callback):
     names the folder: not where the command gives hydra.run.dir (a rerun in its folder, ddp's
     ranks 1..), nor a sweep folder a config names (an Optuna study's, which a rerun goes on
     in), nor in a process of a torchrun or SLURM launch (they share their folder's name, see
-    run_stamp)."""
+    run_stamp).
+
+    A run's first process holds its folder for the run's life: a second run given that
+    hydra.run.dir while it runs (a resume typed in another terminal, a job array's fixed
+    folder) is refused before Hydra writes there; it failed on the first run's checkpoint
+    files and mixed both runs' logs."""
+
+    def __init__(self) -> None:
+        self.lock: FolderLock | None = None
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         given = any(o.startswith("hydra.run.dir=") for o in config.hydra.overrides.hydra)
         if not given and external_launch_rank() is None:
             claim_folder(config.hydra.run)
+        if not external_launch_rank() and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            self.lock = FolderLock(Path(config.hydra.run.dir))
+
+    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         clock_named = "${run_stamp:" in OmegaConf.to_container(config.hydra.sweep, resolve=False)["dir"]
@@ -154,6 +169,57 @@ class UniqueRunFolder(Callback):
             quoted = config.hydra.sweep.dir.replace("'", "\\'")
             with read_write(config.hydra.overrides):
                 config.hydra.overrides.hydra.append(f"hydra.sweep.dir='{quoted}'")
+
+
+class FolderLock:
+    """An exclusive lock on `folder`/.run.lock, the holder's process id in it, until release()
+    (which removes the file: the run leaves its folder as it was) or the process's end (a
+    killed run holds nothing). Refuses a folder another process holds with one line and exit
+    code 2 (Hydra has not started: no traceback to print). Where the file system takes no
+    locks (some cluster mounts), nothing is held."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / ".run.lock"
+        self.file: TextIO | None = None
+        while self.file is None:
+            file = open(self.path, "a+")  # noqa: SIM115 - held open until release()
+            try:
+                fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                file.seek(0)
+                holder = file.read().strip() or "unknown"
+                file.close()
+                print(
+                    f"error: hydra.run.dir={folder} is in use by another run (process {holder}): give "
+                    "this run a folder of its own, or wait for that run to end",
+                    file=sys.stderr,
+                )
+                raise SystemExit(2) from None
+            except OSError:
+                file.close()
+                return
+            if is_at(file, self.path):
+                self.file = file
+            else:  # its holder removed it as we opened it: lock the one there now
+                file.close()
+        self.file.truncate(0)
+        self.file.write(str(os.getpid()))
+        self.file.flush()
+
+    def release(self) -> None:
+        if self.file is not None:
+            self.path.unlink(missing_ok=True)
+            self.file.close()
+            self.file = None
+
+
+def is_at(file: TextIO, path: Path) -> bool:
+    """Whether the open `file` is the one at `path` still (not removed, nor replaced)."""
+    try:
+        return os.path.samestat(os.fstat(file.fileno()), os.stat(path))
+    except FileNotFoundError:
+        return False
 
 
 def claim_folder(node: DictConfig) -> None:
