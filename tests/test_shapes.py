@@ -1,5 +1,7 @@
 import json
+import logging
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -15,9 +17,15 @@ from navit_lightning.errors import ConfigError, DataError
 TINY = shapes.ShapesSpec(num_train=6, num_val=6, num_test=6)
 
 
-def test_generation_is_deterministic_varied_and_done_once(tmp_path):
+def test_generation_is_deterministic_varied_and_done_once(tmp_path, caplog):
     spec = shapes.ShapesSpec(num_train=138, num_val=6, num_test=6)  # train: three chunks of jobs
-    first = shapes.generate(tmp_path / "a", spec, workers=1)
+    with caplog.at_level(logging.INFO, logger=shapes.__name__):
+        first = shapes.generate(tmp_path / "a", spec, workers=1)
+    # a line for train.log, which the progress bar never reaches
+    assert re.search(
+        rf"generated the shapes data set in {re.escape(str(first))}: 138 train \+ 6 val \+ 6 test images in",
+        caplog.text,
+    )
     # pool processes draw other images than in the first: each image depends on its seed alone
     second = shapes.generate(tmp_path / "b", spec, workers=3)
     files = sorted(p.relative_to(first) for p in first.rglob("*.*") if p.suffix in {".png", ".jpg"})

@@ -12,6 +12,7 @@ import math
 import random
 import re
 import shutil
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -232,10 +233,18 @@ def _write_set(root: Path, spec: ShapesSpec, workers: int) -> None:
             shutil.rmtree(root / split / name, ignore_errors=True)
             (root / split / name).mkdir(parents=True)
         jobs += [(root / split, i, spec.seed + SPLIT_SEED_OFFSET[split] + i, spec) for i in range(count)]
+    start = time.perf_counter()
     for _ in map_with_progress(_write_one, jobs, f"Generating the shapes data set in {root}", workers, 64):
         pass
     marker.write_text(json.dumps(finished_marker(spec)))
     started.unlink()
+    # the progress bar reaches the console alone (in a pipe, as one line cut at its end)
+    log.info(
+        "generated the shapes data set in %s: %s images in %.1f s",
+        root,
+        " + ".join(f"{count} {split}" for split, count in counts.items()),
+        time.perf_counter() - start,
+    )
 
 
 def only_shapes_files(root: Path) -> bool:
