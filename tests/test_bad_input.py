@@ -462,7 +462,7 @@ def test_unreadable_images_are_warned_once_per_counted_epoch_at_its_number_and_n
     a hook with no batch counted since the last warning warns nothing, and a count of 0 is
     not worth a line."""
     logged = []
-    module = one_image_batches(log=lambda name, value, **options: logged.append((name, value)))
+    module = one_image_batches(log=lambda name, value, **options: logged.append((name, float(value))))
     dataset = SimpleNamespace(take_unreadable_count=lambda: 1)
     trainer = SimpleNamespace(
         datamodule=SimpleNamespace(datasets={"train": dataset, "val": dataset}),
@@ -497,7 +497,7 @@ def test_unreadable_images_are_warned_once_per_counted_epoch_at_its_number_and_n
 
 def one_image_batches(**module) -> SimpleNamespace:
     """A LightningModule's stand-in whose every batch holds one decoded image."""
-    return SimpleNamespace(batch_counts=SimpleNamespace(images=1), **module)
+    return SimpleNamespace(batch_counts=SimpleNamespace(images=1), device=torch.device("cpu"), **module)
 
 
 def test_a_stage_that_decoded_no_image_stops_the_run_and_one_that_decoded_some_goes_on():
@@ -573,7 +573,8 @@ def test_a_ddp_run_whose_training_images_all_fail_to_decode_stops_on_every_rank_
     errors = set(re.findall(r"error: (.*)", output))  # the same line from each rank
     assert len(errors) == 1 and re.fullmatch(
         r"train epoch 0: none of its 24 images could be decoded \(named above\): the images under "
-        rf"{re.escape(str(tmp_path / 'images'))} are gone or damaged; .*",
+        rf"{re.escape(str(tmp_path / 'images'))} are gone or damaged; restore them and train again: its "
+        r"steps, which trained on no image, are in the run's checkpoints",
         errors.pop(),
     ), errors
     assert "Traceback" not in output

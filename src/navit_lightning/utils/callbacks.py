@@ -205,7 +205,8 @@ class UnreadableImageReport(L.Callback):
         for name, count in counts.items():
             pl_module.log(
                 f"{stage}/{name}",
-                float(count),
+                # made on the device: Lightning would copy a float there, a device sync each batch
+                torch.full((), float(count), device=pl_module.device),
                 on_step=False,
                 on_epoch=True,
                 reduce_fx="sum",
@@ -243,10 +244,16 @@ class UnreadableImageReport(L.Callback):
             count = f"{failed} image{'s' if failed > 1 else ''}"
             log.warning("%s epoch %d: skipped %s that could not be decoded", stage, epoch, count)
         if failed and not decoded:
+            # a validation's stop comes before its save, which a resume runs again; a training
+            # epoch's, after the epoch's end was saved
+            again = (
+                "train again: its steps, which trained on no image, are in the run's checkpoints"
+                if stage == "train"
+                else "run again (ckpt_path=last resumes a training run)"
+            )
             raise DataError(
                 f"{stage} epoch {epoch}: none of its {failed} images could be decoded (named above): "
-                f"the images under {trainer.datamodule.root} are gone or damaged; restore them and "
-                "run again (ckpt_path=last resumes a training run)"
+                f"the images under {trainer.datamodule.root} are gone or damaged; restore them and {again}"
             )
 
     @staticmethod
