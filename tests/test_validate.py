@@ -148,10 +148,12 @@ def test_eval_and_predict_refuse_what_they_miss(task, overrides, message):
         run(cfg)
 
 
-def saved_run(folder, attention: str):
-    """A checkpoint file of a run with this attention backend, as eval.py's checks read it."""
+def saved_run(folder, attention: str | None):
+    """A checkpoint file of a run with this attention backend (None: from before the setting),
+    as eval.py's checks read it."""
     path = folder / "run.ckpt"
-    torch.save({"state_dict": {}, "run_config": {"model": {"net": {"attention": attention}}}}, path)
+    net = {} if attention is None else {"attention": attention}
+    torch.save({"state_dict": {}, "run_config": {"model": {"net": net}}}, path)
     return path
 
 
@@ -381,10 +383,11 @@ def test_a_sweep_of_several_processes_under_torchrun_is_refused(monkeypatch):
 
 
 @pytest.mark.parametrize(("task", "given"), [("eval", []), ("predict", ["input=images"])])
-def test_eval_and_predict_take_seed_null(tmp_path, task, given):
+@pytest.mark.parametrize("attention", ["auto", None], ids=["auto", "a checkpoint from before the setting"])
+def test_eval_and_predict_take_seed_null(tmp_path, task, given, attention):
     """They plan no training epochs: seed=null has Lightning draw one, as it did."""
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(task, overrides=[f"ckpt_path={saved_run(tmp_path, 'auto')}", *given, "seed=null"])
+        cfg = compose(task, overrides=[f"ckpt_path={saved_run(tmp_path, attention)}", *given, "seed=null"])
     check_launch(cfg, training=False)
 
 

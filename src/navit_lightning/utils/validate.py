@@ -129,8 +129,10 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
     check_patch_budgets(cfg.get("patch_budgets"))
     if not training:
         # the checkpoint's backend (a run trained on a GPU with varlen), or one given with a +
-        attention = OmegaConf.select(cfg, "model.net.attention") or (
-            load_training_run(cfg.ckpt_path)[0].model.net.attention
+        attention = OmegaConf.select(cfg, "model.net.attention") or OmegaConf.select(
+            load_training_run(cfg.ckpt_path)[0],
+            "model.net.attention",
+            default="auto",  # older ones: none
         )
         check_attention(attention, on_gpu, str(trainer.precision), training=False)
     if training:
