@@ -171,7 +171,9 @@ def test_a_run_folder_in_use_by_another_run_is_refused_and_free_once_it_ends(mon
         "give this run a folder of its own, or wait for that run to end\n"
     )
     monkeypatch.setenv("LOCAL_RANK", "1")  # a rank Lightning's ddp started: its rank 0's folder
-    launch.UniqueRunFolder().on_run_start(cfg)
+    rank = launch.UniqueRunFolder()
+    rank.on_run_start(cfg)
+    assert rank.lock is None
     monkeypatch.delenv("LOCAL_RANK")
     first.on_run_end(cfg)
     assert not (tmp_path / "run" / ".run.lock").exists()  # the folder as the run left it
@@ -197,7 +199,9 @@ def test_runs_started_in_the_same_second_get_folders_of_their_own(monkeypatch, t
     def run_folder(*overrides: str) -> str:
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
             cfg = compose("train", [f"paths.log_dir={tmp_path}", *overrides], return_hydra_config=True)
-        launch.UniqueRunFolder().on_run_start(cfg)
+        folder = launch.UniqueRunFolder()
+        folder.on_run_start(cfg)
+        folder.on_run_end(cfg)
         return cfg.hydra.run.dir
 
     runs = tmp_path / "train" / "runs"

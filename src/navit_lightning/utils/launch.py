@@ -8,6 +8,7 @@ on its own: without this, each would name a folder by its own clock and append t
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import logging
 import os
@@ -206,8 +207,10 @@ class FolderLock:
         self.file.truncate(0)
         self.file.write(str(os.getpid()))
         self.file.flush()
+        atexit.register(self.release)  # a run refused in its task ends without on_run_end
 
     def release(self) -> None:
+        atexit.unregister(self.release)
         if self.file is not None:
             self.path.unlink(missing_ok=True)
             self.file.close()
