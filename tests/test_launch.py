@@ -181,6 +181,18 @@ def test_a_run_folder_in_use_by_another_run_is_refused_and_free_once_it_ends(mon
     second.on_run_start(cfg)
     assert (tmp_path / "run" / ".run.lock").read_text() == str(os.getpid())
     second.on_run_end(cfg)
+    # a log folder that cannot be made (Hydra failed in three chained tracebacks)
+    (tmp_path / "a file").touch()
+    for folder in (tmp_path / "a file" / "run", tmp_path / "a file" / "logs"):
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            overrides = [f"hydra.run.dir={folder}"] if folder.name == "run" else [f"paths.log_dir={folder}"]
+            cfg = compose("train", overrides, return_hydra_config=True)
+        with pytest.raises(SystemExit):
+            launch.UniqueRunFolder().on_run_start(cfg)
+        said = capsys.readouterr().err
+        assert said.startswith("error: hydra.run.dir=") and said.endswith(
+            "cannot be written (Not a directory): give paths.log_dir or hydra.run.dir a writable folder\n"
+        )
 
 
 def test_runs_started_in_the_same_second_get_folders_of_their_own(monkeypatch, tmp_path):

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -180,23 +180,25 @@ class FolderLock:
     locks (some cluster mounts), nothing is held."""
 
     def __init__(self, folder: Path) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / ".run.lock"
         self.file: TextIO | None = None
         while self.file is None:
-            file = open(self.path, "a+")  # noqa: SIM115 - held open until release()
+            try:  # where Hydra would fail in tracebacks (a log folder not writable, or a file)
+                folder.mkdir(parents=True, exist_ok=True)
+                file = open(self.path, "a+")  # noqa: SIM115 - held open until release()
+            except OSError as error:
+                refuse_unwritable(folder, error)
             try:
                 fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 file.seek(0)
                 holder = file.read().strip() or "unknown"
                 file.close()
-                print(
-                    f"error: hydra.run.dir={folder} is in use by another run (process {holder}): give "
-                    "this run a folder of its own, or wait for that run to end",
-                    file=sys.stderr,
+                refuse_run_folder(
+                    folder,
+                    f"is in use by another run (process {holder}): give this run a folder of its own, "
+                    "or wait for that run to end",
                 )
-                raise SystemExit(2) from None
             except OSError:
                 file.close()
                 return
@@ -215,6 +217,17 @@ class FolderLock:
             self.path.unlink(missing_ok=True)
             self.file.close()
             self.file = None
+
+
+def refuse_run_folder(folder: Path, why: str) -> NoReturn:
+    """One line and exit code 2, before Hydra starts the job (no traceback to print)."""
+    print(f"error: hydra.run.dir={folder} {why}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def refuse_unwritable(folder: Path, error: OSError) -> NoReturn:
+    why = f"cannot be written ({error.strerror}): give paths.log_dir or hydra.run.dir a writable folder"
+    refuse_run_folder(folder, why)
 
 
 def is_at(file: TextIO, path: Path) -> bool:
@@ -236,6 +249,8 @@ def claim_folder(node: DictConfig) -> None:
         except FileExistsError:
             number += 1
             folder = stamped.with_name(f"{stamped.name}_{number}")
+        except OSError as error:
+            refuse_unwritable(folder, error)
     with read_write(node):
         node.dir = str(folder)
 
