@@ -6,6 +6,7 @@ import pickle
 import re
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,6 +32,7 @@ from navit_lightning.utils.checkpoints import (
     load_initial_weights,
     read_checkpoint,
     resume_epoch_ends_as_ended,
+    same_folder,
 )
 from navit_lightning.utils.instantiate import absolute_path
 from tests.conftest import DDP_TWO_RANKS, TINY_RUN, TINY_SHAPES, bare_trainer, logged_scalars
@@ -212,6 +214,22 @@ def test_eval_on_a_data_group_takes_its_images_with_the_runs_sizes_and_what_the_
     # a datamodule of another class: the group as it is
     other = OmegaConf.create({"data": {"_target_": "the.runs.DataModule", "rows": 4}})
     assert data_for(cfg, other, given={"root", "rows"}) == cfg.data
+
+
+def test_the_runs_folder_mounted_at_another_path_is_the_runs_folder(tmp_path):
+    """A container's bind mount, or a second NFS mount: eval.py scored its trained images."""
+    (tmp_path / "images").mkdir()
+    (tmp_path / "mounted").mkdir()
+    mounted = subprocess.run(
+        ["mount", "--bind", tmp_path / "images", tmp_path / "mounted"], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip("bind mounts need root in a namespace that allows them")
+    try:
+        assert same_folder(str(tmp_path / "mounted"), str(tmp_path / "images"))
+        assert not same_folder(str(tmp_path), str(tmp_path / "images"))
+    finally:
+        subprocess.run(["umount", tmp_path / "mounted"], check=True)
 
 
 def test_eval_on_a_data_group_takes_the_data_settings_of_configs_local(tmp_path):

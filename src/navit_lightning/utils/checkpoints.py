@@ -452,7 +452,12 @@ def data_for(cfg: DictConfig, run: DictConfig, given: Collection[str] = ()) -> D
 
 
 def same_folder(one: str, other: str) -> bool:
-    return Path(one).expanduser().resolve() == Path(other).expanduser().resolve()
+    """By device and inode where both exist: a bind mount or a second NFS mount of the run's
+    folder is the run's folder under another path."""
+    one_path, other_path = Path(one).expanduser(), Path(other).expanduser()
+    if one_path.exists() and other_path.exists():
+        return one_path.samefile(other_path)
+    return one_path.resolve() == other_path.resolve()
 
 
 def keys_given(group: str) -> set[str]:
