@@ -122,6 +122,26 @@ def test_a_read_only_folder_is_refused_with_the_fix_and_indexed_into_index_dir(t
     assert manifest_path(root, tmp_path / "cache").is_file() and not (root / index.MANIFEST_NAME).exists()
 
 
+def test_a_manifest_that_cannot_be_written_is_refused_in_one_line_and_leaves_no_part(tmp_path, monkeypatch):
+    """An index_dir that is a file (or read-only), a full disk: a traceback, and a full disk
+    left a partial manifest in the user's image folder at every try."""
+    root = make_folder(tmp_path / "images")
+    (tmp_path / "a file").touch()
+    with pytest.raises(
+        DataError, match=r"manifest .*a file/.* cannot be written \(File exists\): give data\.index_dir"
+    ):
+        index_folder(root, index_dir=tmp_path / "a file")
+
+    def full_disk(file, **arrays):
+        file.write(b"half a manifest")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(index.np, "savez", full_disk)
+    with pytest.raises(DataError, match=r"cannot be written \(No space left on device\)"):
+        index_folder(root)
+    assert not [path.name for path in root.iterdir() if path.name.startswith(".")]
+
+
 def test_the_datamodule_plans_from_the_manifest_without_opening_an_image(tmp_path):
     root = make_folder(tmp_path / "images", count=20)
     datamodule = PackedImageDataModule(str(root), patch_size=4, max_patches=64, val_fraction=0.25)

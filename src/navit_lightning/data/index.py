@@ -129,19 +129,22 @@ class Manifest:
         file system) renamed one file, and the second failed."""
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
-        with open(partial, "xb") as file:
-            np.savez(
-                file,
-                version=np.array(MANIFEST_VERSION),
-                path_buffer=self.paths.buffer,
-                path_ends=self.paths.ends,
-                sizes=self.sizes,
-                stamps=self.stamps,
-                reason_buffer=self.reasons.buffer,
-                reason_ends=self.reasons.ends,
-                **self._shard_arrays(),
-            )
-        os.replace(partial, path)
+        try:
+            with open(partial, "xb") as file:
+                np.savez(
+                    file,
+                    version=np.array(MANIFEST_VERSION),
+                    path_buffer=self.paths.buffer,
+                    path_ends=self.paths.ends,
+                    sizes=self.sizes,
+                    stamps=self.stamps,
+                    reason_buffer=self.reasons.buffer,
+                    reason_ends=self.reasons.ends,
+                    **self._shard_arrays(),
+                )
+            os.replace(partial, path)
+        finally:  # a full disk left one in the user's image folder at every try
+            partial.unlink(missing_ok=True)
 
     def _shard_arrays(self) -> dict[str, np.ndarray]:
         if self.spans is None or self.shard_names is None:
@@ -305,7 +308,13 @@ def index_folder(
                 f"image folder {root} is read-only: set data.index_dir (train.py) or --index-dir "
                 "(the index and shards commands) to a writable folder"
             )
-        manifest.save(path)
+        try:
+            manifest.save(path)
+        except OSError as error:  # an index_dir that is read-only or a file, a full disk
+            raise DataError(
+                f"the manifest {path} cannot be written ({error.strerror}): give data.index_dir "
+                "(train.py) or --index-dir (the index and shards commands) a writable folder with space"
+            ) from None
     log.info(
         "indexed %d image files under %s in %.1f s: %d read (new, changed or unreadable), %d gone, "
         "%d unreadable; manifest %s%s",
