@@ -1,6 +1,7 @@
 """Checkpoints: written atomically, refused with one line when unusable, resumed with
 ckpt_path=last."""
 
+import logging
 import os
 import pickle
 import re
@@ -20,7 +21,7 @@ from lightning.pytorch.loops.progress import _BatchProgress
 from omegaconf import OmegaConf
 
 from navit_lightning import CONFIG_DIR
-from navit_lightning.errors import ConfigError
+from navit_lightning.errors import ConfigError, DataError
 from navit_lightning.train import resume_from
 from navit_lightning.utils.checkpoints import (
     AtomicCheckpointIO,
@@ -768,3 +769,20 @@ def test_an_epoch_end_resume_with_another_batch_shape_goes_on_along_the_rest_of_
         optimizer.step()
         schedule.step()
     assert [rate for _, rate in resumed] == pytest.approx(expected[saved["global_step"] :], rel=1e-5)
+
+
+def test_a_stop_before_the_first_step_claims_no_save(monkeypatch, caplog):
+    """A resume refused at its start (its data changed since a mid-epoch save) said "stopped at
+    step 0: saved last.ckpt": the checkpoint's callback state names last.ckpt, and Lightning's
+    count of the step last saved starts at 0. Nothing was written."""
+    resume = ResumeCheckpoint("unused")
+    resume.last_model_path = "run/checkpoints/last.ckpt"  # as the resumed checkpoint restores it
+    monkeypatch.setattr(ResumeCheckpoint, "_should_save_on_exception", lambda self, trainer: False)
+    trainer = SimpleNamespace(world_size=1, global_step=0, validating=False, sanity_checking=False)
+    with caplog.at_level(logging.INFO):
+        resume.on_exception(trainer, None, DataError("the checkpoint stopped after batch 6 of epoch 0, ..."))
+    assert "saved" not in caplog.text
+    trainer.global_step = resume._last_global_step_saved = 8  # an epoch's end saved, then a signal
+    with caplog.at_level(logging.INFO):
+        resume.on_exception(trainer, None, KeyboardInterrupt())
+    assert "stopped at step 8 (KeyboardInterrupt): saved run/checkpoints/last.ckpt" in caplog.text

@@ -122,8 +122,10 @@ class ResumeCheckpoint(ModelCheckpoint):
         ):
             rewind_to_last_step(trainer)
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
-        # also where it was saved at this step already (an epoch's end, then a signal)
-        if self.last_model_path and self._last_global_step_saved == trainer.global_step:
+        # also where it was saved at this step already (an epoch's end, then a signal); at step 0
+        # nothing was (a resume refused at its start has last_model_path restored, and
+        # _last_global_step_saved is 0 until a save)
+        if self.last_model_path and self._last_global_step_saved == trainer.global_step > 0:
             rank_zero_info(
                 f"stopped at step {trainer.global_step} ({type(exception).__name__}): saved "
                 f"{self.last_model_path}, which ckpt_path=last resumes from"
