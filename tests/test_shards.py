@@ -118,6 +118,12 @@ def test_a_folder_that_cannot_train_is_not_sharded(tmp_path):
     shutil.rmtree(tmp_path / "images" / "dog")
     with pytest.raises(DataError, match=r"has one class folder \(cat\)"):
         write_shards(tmp_path / "images", tmp_path / "shards")
+    # shards written into the folder became a class folder of no images: it trained no more
+    with pytest.raises(
+        DataError, match=r"images/shards is inside the image folder .*images: write the shards"
+    ):
+        write_shards(tmp_path / "images", tmp_path / "images" / "shards")
+    assert not (tmp_path / "images" / "shards").exists()
 
 
 @pytest.mark.slow

@@ -52,6 +52,9 @@ def write_shards(
 ) -> Manifest:
     """Shard every readable image under `folder` into `out` (see the module's doc); the
     folder's manifest in `index_dir` where the folder is read-only."""
+    if out.resolve().is_relative_to(folder.resolve()):
+        # taken for a class folder of no images, then refused: the folder trained no more
+        raise DataError(f"{out} is inside the image folder {folder}: write the shards to a folder outside it")
     manifest = index_folder(folder, index_dir, workers=workers)
     layout = folder_layout(folder)
     classes = find_classes(folder / layout["train"])
