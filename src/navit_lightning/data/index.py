@@ -207,6 +207,10 @@ def image_entries(root: Path, others: Counter[str] | None = None) -> Iterator[tu
                         yield prefix + entry.name, entry
                     elif others is not None:
                         others[suffix] += 1
+                elif entry.is_symlink():  # its target gone (moved, a disk unmounted): left out without a word
+                    log.warning(
+                        "skipping %s: it links to %s, which does not exist", entry.path, os.readlink(entry)
+                    )
 
 
 def other_files(others: Counter[str]) -> str:
