@@ -21,7 +21,7 @@ from lightning.pytorch.loops.progress import _BatchProgress
 from omegaconf import OmegaConf
 
 from navit_lightning import CONFIG_DIR
-from navit_lightning.errors import ConfigError, DataError
+from navit_lightning.errors import ConfigError, DataError, OutputError
 from navit_lightning.train import resume_from
 from navit_lightning.utils.checkpoints import (
     AtomicCheckpointIO,
@@ -275,6 +275,23 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatc
         io.save_checkpoint({"step": 2}, path)
     assert torch.load(path, weights_only=True) == {"step": 1}
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]  # no partial file left
+
+    def full_disk(obj, f, *args, **kwargs):
+        with open(f, "wb") as partial:
+            partial.write(b"PK\x03\x04 half a checkpoint")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+
+    # one line naming the file (two chained tracebacks before, which named none)
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(
+        OutputError, match=rf"^checkpoint {re.escape(str(path))} cannot be written \(unexpected pos"
+    ):
+        io.save_checkpoint({"step": 2}, path)
+    assert torch.load(path, weights_only=True) == {"step": 1}
+    assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
+    (tmp_path / "a file").touch()
+    with pytest.raises(OutputError, match=r"a file/last\.ckpt cannot be written \(File exists\)"):
+        io.save_checkpoint({"step": 2}, tmp_path / "a file" / "last.ckpt")
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,11 @@ class DataError(ValueError):
     """The data cannot be used as configured; the message says what to change."""
 
 
+class OutputError(RuntimeError):
+    """The run's files cannot be written where the config puts them (a full disk, a folder
+    made read-only mid-run); the message names the file."""
+
+
 def is_number(value: object) -> bool:
     """A real number (not a bool, nor a string: Hydra reads `abc` and `1e-3x` as strings)."""
     return isinstance(value, Real) and not isinstance(value, bool)

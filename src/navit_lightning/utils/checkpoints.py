@@ -7,7 +7,7 @@ import logging
 import os
 import zipfile
 from collections.abc import Collection, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from navit_lightning.errors import ConfigError
+from navit_lightning.errors import ConfigError, OutputError
 from navit_lightning.utils.instantiate import absolute_path, dotted_settings, instantiate_group, switched_on
 from navit_lightning.utils.shutdown import is_explained_elsewhere
 
@@ -45,13 +45,20 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.name}.partial")
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(checkpoint, partial)
             os.replace(partial, path)  # atomic within one file system
+        except (OSError, RuntimeError) as error:  # torch's writer raises RuntimeError (a full disk)
+            why = getattr(error, "strerror", None) or str(error).rsplit("] . ", 1)[-1]
+            raise OutputError(
+                f"checkpoint {path} cannot be written ({why}): free space there, or resume in a "
+                f"writable hydra.run.dir; the {path.name} saved before, if any, is whole"
+            ) from None
         finally:
-            partial.unlink(missing_ok=True)
+            with suppress(OSError):  # its folder may be what failed
+                partial.unlink(missing_ok=True)
 
 
 class ResumeCheckpoint(ModelCheckpoint):
@@ -102,6 +109,8 @@ class ResumeCheckpoint(ModelCheckpoint):
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
+        if isinstance(exception, OutputError):  # a save that failed would fail again
+            return
         # Saving enters a barrier that every rank must reach. Across ranks only a stop they
         # all make at once (SIGTERM, through StopTogetherOnSigterm; Ctrl-C) reaches it; an
         # error is one rank's (one GPU out of memory), or a broken process group's: that

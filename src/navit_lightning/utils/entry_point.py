@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.multiprocessing.spawn import ProcessRaisedException
 
 from navit_lightning import CONFIG_DIR
-from navit_lightning.errors import ConfigError, DataError
+from navit_lightning.errors import ConfigError, DataError, OutputError
 from navit_lightning.utils.checkpoints import LIGHTNING_CKPT_NAMES
 from navit_lightning.utils.instantiate import absolute_path
 from navit_lightning.utils.launch import in_sweep, quiet_rank_overrides
@@ -168,7 +168,7 @@ def refuse_bad_input() -> Iterator[None]:
 
 def refusal(error: Exception) -> str | None:
     """What `error` says to the user, or None where it is not about the input."""
-    if isinstance(error, (DataError, ConfigError)):
+    if isinstance(error, (DataError, ConfigError, OutputError)):
         return str(error)
     if isinstance(error, ProcessRaisedException):  # a ddp_spawn rank's, as strategies/ddp.py sends it
         last_line = error.msg.strip().rsplit("\n", 1)[-1]
