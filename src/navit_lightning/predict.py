@@ -128,7 +128,6 @@ class PredictionWriter(BasePredictionWriter):
 
 def predict(cfg: DictConfig) -> Path:
     """Predict the classes of the images under cfg.input; returns the predictions.csv path."""
-    check_launch(cfg, training=False)
     budget = cfg.get("patch_budget")
     if not is_count(cfg.top_k):
         raise ConfigError(f"top_k={cfg.top_k} is how many classes each image lists: a whole number above 0")
@@ -137,6 +136,7 @@ def predict(cfg: DictConfig) -> Path:
             f"patch_budget={budget} is the most patches an image is scaled to: a whole number above 0, "
             "or null for the training run's data.max_patches"
         )
+    check_launch(cfg, training=False)  # it reads the checkpoint
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     paths = image_files(Path(cfg.input).expanduser())
     run, class_names = load_training_run(cfg.ckpt_path)
