@@ -788,17 +788,25 @@ def test_an_epoch_end_resume_with_another_batch_shape_goes_on_along_the_rest_of_
     assert [rate for _, rate in resumed] == pytest.approx(expected[saved["global_step"] :], rel=1e-5)
 
 
-def test_a_stop_before_the_first_step_claims_no_save(monkeypatch, caplog):
+def test_a_stop_before_this_processs_first_batch_saves_nothing_and_claims_no_save(monkeypatch, caplog):
     """A resume refused at its start (its data changed since a mid-epoch save) said "stopped at
     step 0: saved last.ckpt": the checkpoint's callback state names last.ckpt, and Lightning's
-    count of the step last saved starts at 0. Nothing was written."""
+    count of the step last saved starts at 0. Nothing was written. A resume that Lightning
+    refused while restoring its loops (trainer.max_epochs below the checkpoint's epoch) wrote
+    last.ckpt back at its step without its optimizer and schedule states."""
     resume = ResumeCheckpoint("unused")
     resume.last_model_path = "run/checkpoints/last.ckpt"  # as the resumed checkpoint restores it
-    monkeypatch.setattr(ResumeCheckpoint, "_should_save_on_exception", lambda self, trainer: False)
+    saved = []
+    monkeypatch.setattr(ResumeCheckpoint, "_should_save_on_exception", lambda self, trainer: True)
+    monkeypatch.setattr(ResumeCheckpoint, "_save_last_checkpoint", lambda self, *args: saved.append(args))
     trainer = SimpleNamespace(world_size=1, global_step=0, validating=False, sanity_checking=False)
     with caplog.at_level(logging.INFO):
         resume.on_exception(trainer, None, DataError("the checkpoint stopped after batch 6 of epoch 0, ..."))
-    assert "saved" not in caplog.text
+        trainer.global_step = 24  # restored, the optimizer not yet
+        resume.on_exception(trainer, None, ValueError("You restored a checkpoint with current_epoch=2"))
+    assert "saved" not in caplog.text and saved == []
+    monkeypatch.setattr(ResumeCheckpoint, "_should_save_on_exception", lambda self, trainer: False)
+    resume.on_train_batch_start(trainer, None)
     trainer.global_step = resume._last_global_step_saved = 8  # an epoch's end saved, then a signal
     with caplog.at_level(logging.INFO):
         resume.on_exception(trainer, None, KeyboardInterrupt())

@@ -83,6 +83,10 @@ class ResumeCheckpoint(ModelCheckpoint):
             save_on_exception=True,
             enable_version_counter=False,  # a resumed run overwrites last.ckpt, not last-v1.ckpt
         )
+        self.trained_here = False  # whether this process has run a training batch
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.trained_here = True
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -109,7 +113,10 @@ class ResumeCheckpoint(ModelCheckpoint):
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
-        if isinstance(exception, OutputError):  # a save that failed would fail again
+        # A save that failed would fail again. Before this process's first batch the state on
+        # disk is the latest, and a stop while restoring it (trainer.max_epochs below the
+        # checkpoint's epoch) wrote it back without its optimizer and schedule states.
+        if isinstance(exception, OutputError) or not self.trained_here:
             return
         # Saving enters a barrier that every rank must reach. Across ranks only a stop they
         # all make at once (SIGTERM, through StopTogetherOnSigterm; Ctrl-C) reaches it; an
