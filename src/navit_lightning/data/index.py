@@ -185,7 +185,8 @@ def image_entries(root: Path, others: Counter[str] | None = None) -> Iterator[tu
     folders are followed, but not into a folder they are in (that would loop). A folder reached
     by two paths gives its images under both: taken once, the first path listed won, and a
     link beside the splits (left out) could take a class's images away. Other files are
-    counted in `others` by their suffix: a phone's .heic photos were left out without a word."""
+    counted in `others` by their suffix (a phone's .heic photos were left out without a word),
+    and links that lead to nothing as such."""
     folders = [(root, "", frozenset({_folder_id(root)}))]  # and the folders it is in
     while folders:
         folder, prefix, above = folders.pop()
@@ -207,10 +208,8 @@ def image_entries(root: Path, others: Counter[str] | None = None) -> Iterator[tu
                         yield prefix + entry.name, entry
                     elif others is not None:
                         others[suffix] += 1
-                elif entry.is_symlink():  # its target gone (moved, a disk unmounted): left out without a word
-                    log.warning(
-                        "skipping %s: it links to %s, which does not exist", entry.path, os.readlink(entry)
-                    )
+                elif entry.is_symlink() and others is not None:  # its target gone, or a loop
+                    others["links to nothing"] += 1
 
 
 def other_files(others: Counter[str]) -> str:
