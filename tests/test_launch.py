@@ -6,6 +6,8 @@ from datetime import datetime, timedelta
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.types import RunMode
+from omegaconf import open_dict, read_write
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.utils import launch
@@ -181,6 +183,17 @@ def test_a_run_folder_in_use_by_another_run_is_refused_and_free_once_it_ends(mon
     second.on_run_start(cfg)
     assert (tmp_path / "run" / ".run.lock").read_text() == str(os.getpid())
     second.on_run_end(cfg)
+    # a sweep's job, in its folder, as a run in its own: a run given that folder is refused
+    with open_dict(cfg), read_write(cfg):
+        cfg.hydra.mode, cfg.hydra.runtime.output_dir = RunMode.MULTIRUN, str(tmp_path / "sweep" / "0")
+    job = launch.UniqueRunFolder()
+    job.on_job_start(cfg)
+    assert (tmp_path / "sweep" / "0" / ".run.lock").read_text() == str(os.getpid())
+    with pytest.raises(SystemExit):
+        launch.FolderLock(tmp_path / "sweep" / "0")
+    assert "sweep/0 is in use by another run" in capsys.readouterr().err
+    job.on_job_end(cfg)
+    assert not (tmp_path / "sweep" / "0" / ".run.lock").exists()
     # a log folder that cannot be made (Hydra failed in three chained tracebacks)
     (tmp_path / "a file").touch()
     for folder in (tmp_path / "a file" / "run", tmp_path / "a file" / "logs"):

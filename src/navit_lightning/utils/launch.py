@@ -155,12 +155,22 @@ class UniqueRunFolder(Callback):
         given = any(o.startswith("hydra.run.dir=") for o in config.hydra.overrides.hydra)
         if not given and external_launch_rank() is None:
             claim_folder(config.hydra.run)
-        if not external_launch_rank() and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        if is_first_process():
             self.lock = FolderLock(Path(config.hydra.run.dir))
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self.lock is not None:
             self.lock.release()
+
+    # a sweep's job, in its own folder, is held as a run is (the sweep's process runs them in
+    # turn; submitit's job processes run one each)
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.hydra.mode == RunMode.MULTIRUN and is_first_process():
+            self.lock = FolderLock(Path(config.hydra.runtime.output_dir))
+
+    def on_job_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.hydra.mode == RunMode.MULTIRUN:
+            self.on_run_end(config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         clock_named = "${run_stamp:" in OmegaConf.to_container(config.hydra.sweep, resolve=False)["dir"]
@@ -170,6 +180,12 @@ class UniqueRunFolder(Callback):
             quoted = config.hydra.sweep.dir.replace("'", "\\'")
             with read_write(config.hydra.overrides):
                 config.hydra.overrides.hydra.append(f"hydra.sweep.dir='{quoted}'")
+
+
+def is_first_process() -> bool:
+    """Whether this process starts the run: not a torchrun or SLURM rank above 0, nor a rank
+    Lightning's ddp started (LOCAL_RANK above 0; they run in their rank 0's folder)."""
+    return not external_launch_rank() and int(os.environ.get("LOCAL_RANK", 0)) == 0
 
 
 class FolderLock:
