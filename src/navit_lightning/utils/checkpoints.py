@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import zipfile
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager, suppress
@@ -50,8 +51,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(checkpoint, partial)
             os.replace(partial, path)  # atomic within one file system
-        except (OSError, RuntimeError) as error:  # torch's writer raises RuntimeError (a full disk)
-            why = getattr(error, "strerror", None) or str(error).rsplit("] . ", 1)[-1]
+        except (OSError, RuntimeError) as error:
+            # torch's writer raises a RuntimeError with no errno ("unexpected pos ..." on a full disk)
+            why = (
+                getattr(error, "strerror", None) or f"{str(error).rsplit('] . ', 1)[-1]}; {free_space(path)}"
+            )
             raise OutputError(
                 f"checkpoint {path} cannot be written ({why}): free space there, or resume in a "
                 f"writable hydra.run.dir; the {path.name} saved before, if any, is whole"
@@ -59,6 +63,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         finally:
             with suppress(OSError):  # its folder may be what failed
                 partial.unlink(missing_ok=True)
+
+
+def free_space(path: Path) -> str:
+    """The space left on `path`'s file system, for a message."""
+    try:
+        return f"{shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free there"
+    except OSError:
+        return "the space left there unknown"
 
 
 class ResumeCheckpoint(ModelCheckpoint):

@@ -170,6 +170,8 @@ def refusal(error: Exception) -> str | None:
     """What `error` says to the user, or None where it is not about the input."""
     if isinstance(error, (DataError, ConfigError, OutputError)):
         return str(error)
+    if isinstance(error.__context__, OutputError):  # a logger's flush failed on the same full disk
+        return str(error.__context__)
     if isinstance(error, ProcessRaisedException):  # a ddp_spawn rank's, as strategies/ddp.py sends it
         last_line = error.msg.strip().rsplit("\n", 1)[-1]
         sent_as = f"{ConfigError.__module__}.{ConfigError.__qualname__}: "
