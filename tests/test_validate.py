@@ -495,6 +495,20 @@ def test_a_setting_lightning_refuses_when_the_fit_starts_says_which_in_one_line(
         "trainer.limit_train_batches: You requested to check 0.001 of the `train_dataloader` but "
         "0.001 * 64 < 1"
     )
+    # a resume whose checkpoint is past trainer.max_epochs (in Hydra's error, exit 1)
+    trainer = bare_trainer(
+        max_epochs=2, limit_train_batches=2, limit_val_batches=0, default_root_dir=tmp_path
+    )
+    trainer.fit(BoringModel())
+    trainer.save_checkpoint(tmp_path / "done.ckpt")
+    with pytest.raises(MisconfigurationException) as past:
+        bare_trainer(max_epochs=1, default_root_dir=tmp_path).fit(
+            BoringModel(), ckpt_path=tmp_path / "done.ckpt"
+        )
+    assert refusal(past.value).startswith(
+        "trainer.max_epochs: You restored a checkpoint with current_epoch=2, but you have set "
+        "Trainer(max_epochs=1)."
+    )
 
 
 def test_lightning_refusing_a_trainer_argument_by_misconfiguration_is_one_line_and_no_other_name_is():

@@ -9,6 +9,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from itertools import chain
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -210,5 +211,7 @@ def trainer_setting_refused(error: Exception) -> str | None:
     if not innermost.tb_frame.f_globals.get("__name__", "").startswith("lightning."):
         return None
     arguments = inspect.signature(L.Trainer.__init__).parameters
-    named = next((name for name in re.findall(r"`(\w+)`", str(error)) if name in arguments), None)
+    # `max_epochs`, or Trainer(max_epochs=1) (a resume whose checkpoint is past it)
+    names = re.findall(r"`(\w+)`|Trainer\((\w+)=", str(error))
+    named = next((name for name in chain.from_iterable(names) if name in arguments), None)
     return None if named is None else f"trainer.{named}: {str(error).strip()}"
