@@ -14,11 +14,13 @@ from lightning.pytorch.demos.boring_classes import BoringModel
 from torch.multiprocessing.spawn import ProcessRaisedException
 
 from navit_lightning import CONFIG_DIR
+from navit_lightning import eval as eval_script
+from navit_lightning import predict as predict_script
 from navit_lightning.errors import ConfigError
 from navit_lightning.eval import evaluate
 from navit_lightning.predict import predict
 from navit_lightning.strategies import HydraDDPStrategy
-from navit_lightning.utils import validate
+from navit_lightning.utils import checkpoints, validate
 from navit_lightning.utils.entry_point import refusal, refuse_null_groups, refuse_two_modes
 from navit_lightning.utils.validate import check_launch
 from tests.conftest import TINY_RUN, bare_trainer
@@ -159,26 +161,52 @@ def saved_run(folder, attention: str | None):
 
 @pytest.mark.parametrize("task", ["eval", "predict"])
 @pytest.mark.parametrize(
-    ("overrides", "message"),
+    ("trained", "overrides", "message"),
     [
-        ([], "model.net.attention=varlen is flash attention on CUDA: on CPU use +model.net.attention=auto"),
-        (["+model.net.attention=flex"], None),  # FlexAttention's forward runs on CPU
-        (["+model.net.attention=varlen"], "on CPU use +model.net.attention=auto"),
+        (
+            "varlen",
+            [],
+            "model.net.attention=varlen is flash attention on CUDA: on CPU use +model.net.attention=auto",
+        ),
+        ("varlen", ["+model.net.attention=flex"], None),  # FlexAttention's forward runs on CPU
+        ("varlen", ["+model.net.attention=varlen"], "on CPU use +model.net.attention=auto"),
+        ("auto", [], None),
     ],
 )
 def test_eval_and_predict_check_the_checkpoints_attention_before_they_start(
-    tmp_path, task, overrides, message
+    tmp_path, monkeypatch, task, trained, overrides, message
 ):
     """A run trained on a GPU with varlen, evaluated on a CPU: it failed in a traceback from
-    the first batch (flash attention has no CPU kernel), the advice of its error too."""
+    the first batch (flash attention has no CPU kernel), the advice of its error too. The
+    check reads the checkpoint the script reads: once (a CRC pass over a large file each)."""
+    image = tmp_path / "image.png"
+    image.touch()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        given = [f"ckpt_path={saved_run(tmp_path, 'varlen')}", "trainer.accelerator=cpu", *overrides]
-        cfg = compose(task, overrides=given + (["input=."] if task == "predict" else []))
-    if message is None:
-        validate.check_launch(cfg, training=False)
-        return
-    with pytest.raises(ConfigError, match=re.escape(message)):
-        {"eval": evaluate, "predict": predict}[task](cfg)
+        given = [f"ckpt_path={saved_run(tmp_path, trained)}", "trainer.accelerator=cpu", *overrides]
+        cfg = compose(task, overrides=given + ([f"input={image}"] if task == "predict" else []))
+    reads = []
+    monkeypatch.setattr(checkpoints, "read_checkpoint", counted(checkpoints.read_checkpoint, reads))
+    monkeypatch.setattr(validate, "read_checkpoint", counted(validate.read_checkpoint, reads))
+
+    class Checked(Exception):
+        """What choosing the data raises here: the checks before it have passed."""
+
+    def data_for(*args, **kwargs):
+        raise Checked
+
+    script = {"eval": eval_script, "predict": predict_script}[task]
+    monkeypatch.setattr(script, "data_for", data_for)
+    with pytest.raises(Checked if message is None else ConfigError, match=message and re.escape(message)):
+        getattr(script, {"eval": "evaluate", "predict": "predict"}[task])(cfg)
+    assert len(reads) == 1
+
+
+def counted(function, calls: list):
+    def call(*args, **kwargs):
+        calls.append(args)
+        return function(*args, **kwargs)
+
+    return call
 
 
 @pytest.mark.parametrize(
@@ -389,6 +417,7 @@ def test_eval_and_predict_take_seed_null(tmp_path, task, given, attention):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(task, overrides=[f"ckpt_path={saved_run(tmp_path, attention)}", *given, "seed=null"])
     check_launch(cfg, training=False)
+    validate.check_run_attention(cfg, checkpoints.load_training_run(cfg.ckpt_path)[0])
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ from navit_lightning.utils.checkpoints import (
 from navit_lightning.utils.entry_point import launch, run_task
 from navit_lightning.utils.loggers import finish_loggers, loggers_closed_on_failure
 from navit_lightning.utils.shutdown import explain_collective_failure
-from navit_lightning.utils.validate import check_launch
+from navit_lightning.utils.validate import check_launch, check_run_attention
 
 
 def evaluate(cfg: DictConfig) -> dict[str, float]:
@@ -49,6 +49,7 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     check_launch(cfg, training=False)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     run, class_names = load_training_run(cfg.ckpt_path)
+    check_run_attention(cfg, run)
     given = data_keys_given()
     data = data_for(cfg, run, given)
     if data.get("generate") and "root" not in given:  # the run's built-in set, maybe made elsewhere

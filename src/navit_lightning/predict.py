@@ -31,7 +31,7 @@ from navit_lightning.utils.checkpoints import (
 from navit_lightning.utils.entry_point import launch, run_task
 from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.shutdown import explain_collective_failure
-from navit_lightning.utils.validate import check_launch
+from navit_lightning.utils.validate import check_launch, check_run_attention
 
 
 def image_files(input_path: Path) -> list[Path]:
@@ -136,10 +136,11 @@ def predict(cfg: DictConfig) -> Path:
             f"patch_budget={budget} is the most patches an image is scaled to: a whole number above 0, "
             "or null for the training run's data.max_patches"
         )
-    check_launch(cfg, training=False)  # it reads the checkpoint
+    check_launch(cfg, training=False)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     paths = image_files(Path(cfg.input).expanduser())
     run, class_names = load_training_run(cfg.ckpt_path)
+    check_run_attention(cfg, run)
     data = OmegaConf.merge(data_for(cfg, run, data_keys_given()), {"generate": None})  # nothing to generate
     output = Path(cfg.paths.output_dir) / "predictions.csv"
     writer = PredictionWriter(

@@ -25,7 +25,6 @@ from navit_lightning.errors import ConfigError, is_count, is_whole, require_coun
 from navit_lightning.utils.checkpoints import (
     CKPT_PATH_EXAMPLE,
     LIGHTNING_CKPT_NAMES,
-    load_training_run,
     read_checkpoint,
 )
 from navit_lightning.utils.instantiate import dotted_settings
@@ -64,7 +63,8 @@ NODE_LAUNCHERS = (
 
 def check_launch(cfg: DictConfig, training: bool = True) -> None:
     """training=False (eval.py, predict.py): the model, and so its attention backend, comes from the
-    checkpoint later. strategy=auto given several devices becomes strategy=ddp's strategy."""
+    checkpoint, which they read once after this (check_run_attention). strategy=auto given
+    several devices becomes strategy=ddp's strategy."""
     check_required(cfg)
     for group, fix in (
         ("optimizer", "choose one: optimizer=adamw"),
@@ -82,7 +82,7 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
         raise ConfigError(
             f"trainer.accelerator={accelerator} but no CUDA GPU is visible: use trainer.accelerator=cpu"
         )
-    on_gpu = accelerator in GPU_ACCELERATORS or (accelerator == "auto" and gpus > 0)
+    on_gpu = runs_on_gpu(trainer)
     visible_devices = gpus if on_gpu else 1  # what devices=-1 or auto takes
     if trainer.strategy == "auto" and device_count(trainer.devices, visible_devices) * trainer.num_nodes > 1:
         # Lightning's choice would be its own DDPStrategy, whose ranks 1.. rerun the script
@@ -127,14 +127,6 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
             "epoch among the ranks itself, and Lightning cannot wrap it in its own; keep false"
         )
     check_patch_budgets(cfg.get("patch_budgets"))
-    if not training:
-        # the checkpoint's backend (a run trained on a GPU with varlen), or one given with a +
-        attention = OmegaConf.select(cfg, "model.net.attention") or OmegaConf.select(
-            load_training_run(cfg.ckpt_path)[0],
-            "model.net.attention",
-            default="auto",  # older ones: none
-        )
-        check_attention(attention, on_gpu, str(trainer.precision), training=False)
     if training:
         check_training_numbers(trainer)
         check_optimization(cfg.model)
@@ -297,6 +289,22 @@ def check_patch_budgets(budgets: object) -> None:
             f"patch_budgets={budgets} must be a list of positive patch counts, "
             "e.g. patch_budgets=[9,16,36,64]"
         )
+
+
+def runs_on_gpu(trainer: DictConfig) -> bool:
+    accelerator = str(trainer.accelerator)
+    return accelerator in GPU_ACCELERATORS or (accelerator == "auto" and torch.cuda.device_count() > 0)
+
+
+def check_run_attention(cfg: DictConfig, run: DictConfig) -> None:
+    """eval.py's and predict.py's backend, once they have read the checkpoint's training config
+    `run`: the run's (one trained on a GPU with varlen), or one given with a +."""
+    attention = OmegaConf.select(cfg, "model.net.attention") or OmegaConf.select(
+        run,
+        "model.net.attention",
+        default="auto",  # older checkpoints: none
+    )
+    check_attention(attention, runs_on_gpu(cfg.trainer), str(cfg.trainer.precision), training=False)
 
 
 def check_attention(backend: str, on_gpu: bool, precision: str, training: bool = True) -> None:
