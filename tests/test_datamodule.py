@@ -29,7 +29,7 @@ from navit_lightning.data.workers import WORKER_MODULES
 from navit_lightning.train import hold_out_as_its_run
 from navit_lightning.utils.callbacks import StoreRunConfig
 from navit_lightning.utils.shutdown import descendants
-from tests.conftest import REPO, TINY_RUN, TINY_SET, bare_trainer
+from tests.conftest import REPO, TINY_RUN, TINY_SET, bare_trainer, run_whole
 
 
 def test_train_and_val_folders_are_used_as_given(project_root):
@@ -336,6 +336,63 @@ def test_loader_workers_end_with_a_training_process_killed_by_sigkill(project_ro
     while (alive := [pid for pid in left if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive, [Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in alive]
+
+
+# A scheduler's stop signals every process of the job: the training process (whose own
+# handler stops the run at a step's end), the loader workers and their forkserver.
+STOPPED_JOB = """
+import multiprocessing, os, signal, subprocess, sys, time
+from navit_lightning.data.datamodule import PackedImageDataModule
+from navit_lightning.data.workers import map_with_progress
+
+def stop_the_job():  # from another process, as a scheduler
+    subprocess.run(["kill", "-TERM", "--", f"-{os.getpgid(0)}"], check=True, start_new_session=True)
+
+def take_an_epoch(root):
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    datamodule = PackedImageDataModule(root, patch_size=16, max_patches=64, rows=1, num_workers=2)
+    datamodule.setup("fit")
+    batches = iter(datamodule.train_dataloader())
+    next(batches)
+    stop_the_job()
+    time.sleep(1)
+    print(1 + sum(1 for _ in batches), len(datamodule.train_dataloader()), flush=True)
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    if sys.argv[2] == "pool":
+        for _ in map_with_progress(time.sleep, [0.5] * 64, "sleeping", workers=2, chunksize=1):
+            stop_the_job()
+    else:  # in a process multiprocessing started (a ddp_spawn rank), which runs no atexit
+        rank = multiprocessing.get_context("spawn").Process(target=take_an_epoch, args=(sys.argv[1],))
+        rank.start()
+        rank.join(60)
+        sys.exit("the rank did not end" if rank.exitcode is None else rank.exitcode)
+"""
+
+
+@pytest.mark.parametrize("stopped", ["loader", "pool"])
+def test_a_stop_signalled_to_every_process_ends_a_pool_and_leaves_a_loader_to_its_training_process(
+    project_root, tmp_path, stopped
+):
+    """The loader's workers and their server ignore SIGTERM (they end with the training
+    process), so that the training process still has its batches while it stops the run; the
+    pools that generate and index data take it, as the process mapping over them does."""
+    script = tmp_path / "stopped.py"
+    script.write_text(STOPPED_JOB)
+    result = run_whole(
+        [sys.executable, str(script), str(project_root / TINY_SET), stopped],
+        timeout=120,
+        start_new_session=True,  # its own process group, as a scheduler's job
+    )
+    if stopped == "pool":
+        assert result.returncode == 1 and "BrokenProcessPool" in result.stderr, result.stderr[-2000:]
+        return
+    # and the process ends with its workers still running: multiprocessing's exit waited for
+    # them forever, its SIGTERM ignored, until workers.kill_daemonic_children_at_exit
+    assert result.returncode == 0, result.stderr[-2000:]
+    taken, epoch = map(int, result.stdout.split()[-2:])
+    assert taken == epoch > 2 * 2 + 1  # past what the two workers had fetched ahead
 
 
 def test_loader_workers_and_their_server_start_without_importing_lightning(project_root):

@@ -35,7 +35,7 @@ from navit_lightning.data.packing import PackCollate
 from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
 from navit_lightning.data.shards import load_shards, shard_classes
 from navit_lightning.data.transforms import fit_grids
-from navit_lightning.data.workers import exit_with_process, start_context
+from navit_lightning.data.workers import loader_worker_init, start_context
 from navit_lightning.errors import ConfigError, DataError, require_counts, require_flags
 
 # What one optimizer step consumes, logged at the start of training (see _report_effective_batch).
@@ -406,7 +406,7 @@ class PackedImageDataModule(L.LightningDataModule):
             collate_fn=PackCollate(shape, self.patch_size**2 * 3),
             num_workers=workers,
             multiprocessing_context=context,
-            worker_init_fn=partial(exit_with_process, os.getpid()),
+            worker_init_fn=partial(loader_worker_init, os.getpid()),
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             persistent_workers=keep_workers and workers > 0,
         )

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
+import multiprocessing.util
 import os
 import select
+import signal
 import sys
 import threading
 import time
@@ -23,6 +26,7 @@ Result = TypeVar("Result")
 # no worker imports it again (~1 s each). Lightning stays out of it: it would add ~2.5 s to
 # the start of the server, which every process of a run waits for before its first batch.
 WORKER_MODULES = [
+    "navit_lightning.data.forkserver_signals",
     "navit_lightning.data.folder",
     "navit_lightning.data.packing",
     "navit_lightning.data.workers",
@@ -45,19 +49,52 @@ def forkserver_preload() -> list[str]:
 
 
 def start_context(method: str | None) -> BaseContext:
-    """The multiprocessing context of `method` (None: the platform's default)."""
+    """The multiprocessing context of `method` (None: the platform's default), for loader
+    workers (which ignore SIGTERM: loader_worker_init) or a pool."""
     context = multiprocessing.get_context(method)
     if method == "forkserver":
         context.set_forkserver_preload(forkserver_preload())
+    kill_daemonic_children_at_exit(os.getpid())
     return context
 
 
-def exit_with_process(pid: int, worker_id: int) -> None:
-    """A DataLoader `worker_init_fn` (bind `pid` with functools.partial): the worker ends when
-    the training process `pid` does. torch's workers watch their parent, which under the
-    forkserver start method is the server; the server ends only when its children have, so a
-    training process killed with SIGKILL would leave both behind for good (it did, holding
-    the run's output pipes open)."""
+@functools.cache  # once a process
+def kill_daemonic_children_at_exit(pid: int) -> None:
+    """At a process's exit, multiprocessing ends its daemonic children (loader workers) with
+    SIGTERM and waits for them: workers that ignore it would be waited for forever. Its exit
+    (which a process it started runs in place of atexit) runs finalizers first."""
+    multiprocessing.util.Finalize(None, _kill_daemonic_children, exitpriority=0)
+
+
+def _kill_daemonic_children() -> None:
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+
+
+def loader_worker_init(pid: int, worker_id: int) -> None:
+    """A DataLoader `worker_init_fn` (bind `pid`, the training process, with functools.partial).
+    The worker ignores SIGTERM: a scheduler's stop (scancel, a preemption, systemd, `timeout`)
+    signals every process of the job, and workers that died at once failed the rank's next
+    batch, so that a ddp run ended on that error without saving, where its training processes
+    stop together before a step and save last.ckpt. It ends with the training process."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    exit_with_process(pid)
+
+
+def pool_worker_init(pid: int) -> None:
+    """A pool's initializer: SIGTERM ends the worker (the server it is forked from ignores
+    it), so that a stop while the built-in set is generated ends the pool at once; and it
+    ends with the process `pid` that maps over the pool."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    exit_with_process(pid)
+
+
+def exit_with_process(pid: int) -> None:
+    """The calling worker ends when the process `pid` does. torch's workers watch their
+    parent, which under the forkserver start method is the server; the server ends only when
+    its children have, so a training process killed with SIGKILL would leave both behind for
+    good (it did, holding the run's output pipes open)."""
     threading.Thread(target=_exit_after, args=(pid,), name="exit-with-training-process", daemon=True).start()
 
 
@@ -88,8 +125,8 @@ def map_with_progress(
     pool = ProcessPoolExecutor(
         workers,
         mp_context=start_context("forkserver"),
-        initializer=exit_with_process,
-        initargs=(os.getpid(), 0),
+        initializer=pool_worker_init,
+        initargs=(os.getpid(),),
     )
     with Progress() as progress, pool:
         task = progress.add_task(description, total=len(items))
