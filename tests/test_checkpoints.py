@@ -560,12 +560,14 @@ def test_a_run_stopped_mid_epoch_resumes_exactly(run_entry_point, ranks, how, sa
     at step 3, after the checkpoint at step 2, or stopped by SIGTERM to one ddp rank, which
     stops every rank before step 3 and saves there; resumed with ckpt_path=last, it logs the
     same loss at every step from there and ends with the same weights as the run that was
-    never stopped."""
+    never stopped. A validation runs after step 3's batch, as a signal in it would stop the run
+    there (the resume logged every later step one too far)."""
     command = [
         *TINY_SHAPES,
         *ranks,
         "data.rows=4",
         "trainer.max_epochs=1",
+        "trainer.val_check_interval=3",
         "trainer.log_every_n_steps=1",
         "callbacks.resume_checkpoint.every_n_train_steps=2",
         "callbacks.resume_checkpoint.train_time_interval=null",

@@ -244,6 +244,13 @@ def rewind_to_last_step(trainer: L.Trainer) -> None:
     if stepped < trainer.num_training_batches:
         progress.is_last_batch = False
     if not end_pending:
+        if 0 < stepped < trainer.num_training_batches and epoch_loop._should_check_val_fx(
+            trainer.fit_loop._data_fetcher
+        ):
+            # the last step's validation has run (a stop signalled in it comes at the next
+            # step): Lightning's resume takes the save for one at that validation's end and
+            # counts the step for the loggers again (every later step logged one too far)
+            epoch_loop._batches_that_stepped -= 1
         return
     if in_validation or epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
         validate_again(epoch_loop.val_loop, in_validation)
