@@ -212,7 +212,8 @@ class UnreadableImageReport(L.Callback):
                 reduce_fx="sum",
                 sync_dist=True,
                 batch_size=1,
-                logger=name == "unreadable_images",
+                # none in the patch-budget sweep's trainer, where Lightning would warn of it
+                logger=name == "unreadable_images" and bool(trainer.loggers),
             )
 
     # Lightning has reduced the epoch's metrics by these hooks (the train epoch's by the
