@@ -166,6 +166,11 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
                 f"callbacks.{logging_callbacks[0]} needs a logger and the config has none (~logger, "
                 f"debug=fdr): add callbacks.{logging_callbacks[0]}=null, or keep logger=tensorboard"
             )
+        if cfg.get("train", True) and trainer.get("limit_train_batches") == 0:  # it exited 0 untrained
+            raise ConfigError(
+                "trainer.limit_train_batches=0 trains no batch (Lightning skips the fit): leave it out, "
+                f"or test a checkpoint with train=false ckpt_path={CKPT_PATH_EXAMPLE} (or eval.py)"
+            )
         ckpt_path = cfg.get("ckpt_path")
         if not cfg.get("train", True) and ckpt_path is None:
             raise ConfigError(
