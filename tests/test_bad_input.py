@@ -466,6 +466,7 @@ def test_unreadable_images_are_warned_once_per_counted_epoch_at_its_number_and_n
     dataset = SimpleNamespace(take_unreadable_count=lambda: 1)
     trainer = SimpleNamespace(
         datamodule=SimpleNamespace(datasets={"train": dataset, "val": dataset}),
+        loggers=[],
         current_epoch=3,
         sanity_checking=True,
         is_global_zero=True,
@@ -508,6 +509,7 @@ def test_a_stage_that_decoded_no_image_stops_the_run_and_one_that_decoded_some_g
     failing = SimpleNamespace(take_unreadable_count=lambda: 2)
     trainer = SimpleNamespace(
         datamodule=SimpleNamespace(datasets={"train": failing, "val": failing}, root=Path("/mnt/gone")),
+        loggers=[],
         current_epoch=4,
         sanity_checking=False,
         is_global_zero=True,
