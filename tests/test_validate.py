@@ -105,6 +105,8 @@ def config(*overrides: str):
         (0, ["trainer.gradient_clip_val=-1"], "a negative bound reverses every gradient"),
         (0, ["trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch=0 must be 1 or more"),
         (0, ["trainer.limit_train_batches=0"], "trainer.limit_train_batches=0 trains no batch"),
+        (0, ["trainer.max_epochs=0"], "trainer.max_epochs=0 trains no batch"),
+        (0, ["trainer.max_steps=0"], "trainer.max_steps=0 trains no batch"),
         (0, ["data.patch_size=16"], "data.patch_size=16 but model.net.patch_size=8: the data's patches"),
         (0, ["model.net.patch_size=0"], "model.net.patch_size=0 must be a whole number above 0"),
         (0, ["optimizer.lr=-1"], "optimizer: Invalid learning rate: -1"),

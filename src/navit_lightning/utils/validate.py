@@ -166,12 +166,20 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
                 f"callbacks.{logging_callbacks[0]} needs a logger and the config has none (~logger, "
                 f"debug=fdr): add callbacks.{logging_callbacks[0]}=null, or keep logger=tensorboard"
             )
-        if cfg.get("train", True) and trainer.get("limit_train_batches") == 0:  # it exited 0 untrained
-            raise ConfigError(
-                "trainer.limit_train_batches=0 trains no batch (Lightning skips the fit): leave it out, "
-                f"or test a checkpoint with train=false ckpt_path={CKPT_PATH_EXAMPLE} (or eval.py)"
-            )
         ckpt_path = cfg.get("ckpt_path")
+        # Lightning skips the fit, and the run exited 0, testing its untrained weights (a run
+        # from a checkpoint's weights may have nothing left to train: its epoch is past them)
+        from_weights = ckpt_path is not None or cfg.get("init_from") is not None
+        untrained = [
+            f"trainer.{name}={trainer[name]}"
+            for name in ("limit_train_batches", "max_epochs", "max_steps")
+            if trainer.get(name) == 0 and (name == "limit_train_batches" or not from_weights)
+        ]
+        if cfg.get("train", True) and untrained:
+            raise ConfigError(
+                f"{untrained[0]} trains no batch (Lightning skips the fit): leave it out, or test a "
+                f"checkpoint with train=false ckpt_path={CKPT_PATH_EXAMPLE} (or eval.py)"
+            )
         if not cfg.get("train", True) and ckpt_path is None:
             raise ConfigError(
                 f"train=false tests a checkpoint, the network's weights would be its initial ones: "
