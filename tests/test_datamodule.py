@@ -389,7 +389,7 @@ def test_a_stop_signalled_to_every_process_ends_a_pool_and_leaves_a_loader_to_it
         assert result.returncode == 1 and "BrokenProcessPool" in result.stderr, result.stderr[-2000:]
         return
     # and the process ends with its workers still running: multiprocessing's exit waited for
-    # them forever, its SIGTERM ignored, until workers.kill_daemonic_children_at_exit
+    # them forever, its SIGTERM ignored, until workers.loader_context
     assert result.returncode == 0, result.stderr[-2000:]
     taken, epoch = map(int, result.stdout.split()[-2:])
     assert taken == epoch > 2 * 2 + 1  # past what the two workers had fetched ahead

@@ -35,7 +35,7 @@ from navit_lightning.data.packing import PackCollate
 from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
 from navit_lightning.data.shards import load_shards, shard_classes
 from navit_lightning.data.transforms import fit_grids
-from navit_lightning.data.workers import loader_worker_init, start_context
+from navit_lightning.data.workers import loader_context, loader_worker_init
 from navit_lightning.errors import ConfigError, DataError, require_counts, require_flags
 
 # What one optimizer step consumes, logged at the start of training (see _report_effective_batch).
@@ -399,7 +399,7 @@ class PackedImageDataModule(L.LightningDataModule):
 
     def _new_loader(self, split: str, budget: int | None = None, keep_workers: bool = True) -> DataLoader:
         workers = self._num_workers()
-        context = start_context(self.multiprocessing_context) if workers else None
+        context = loader_context(self.multiprocessing_context) if workers else None
         shape = self.process_shape(split, budget)
         options: dict[str, Any] = dict(
             batch_sampler=self.batch_sampler(split, budget),

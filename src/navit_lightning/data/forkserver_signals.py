@@ -6,7 +6,8 @@ preemption, systemd, `timeout`) signals every process of the job: the server die
 and torch's loader workers end when their parent does, so the rank's next batch failed before
 the ranks could stop together and save last.ckpt. The server still ends with the process
 that started it (its pipe to that process closes). The processes it forks inherit the
-setting: workers.loader_worker_init keeps it, workers.pool_worker_init undoes it.
+setting from their start, which closes the window before a loader worker's own
+(workers.loader_worker_init); a pool's workers take SIGTERM again (workers.pool_worker_init).
 """
 
 import signal

@@ -49,20 +49,26 @@ def forkserver_preload() -> list[str]:
 
 
 def start_context(method: str | None) -> BaseContext:
-    """The multiprocessing context of `method` (None: the platform's default), for loader
-    workers (which ignore SIGTERM: loader_worker_init) or a pool."""
+    """The multiprocessing context of `method` (None: the platform's default)."""
     context = multiprocessing.get_context(method)
     if method == "forkserver":
         context.set_forkserver_preload(forkserver_preload())
-    kill_daemonic_children_at_exit(os.getpid())
     return context
 
 
-@functools.cache  # once a process
-def kill_daemonic_children_at_exit(pid: int) -> None:
-    """At a process's exit, multiprocessing ends its daemonic children (loader workers) with
-    SIGTERM and waits for them: workers that ignore it would be waited for forever. Its exit
-    (which a process it started runs in place of atexit) runs finalizers first."""
+def loader_context(method: str | None) -> BaseContext:
+    """start_context for loader workers, which ignore SIGTERM (loader_worker_init): this
+    process kills them at its exit, where multiprocessing would end them with SIGTERM and wait
+    for them forever."""
+    _kill_daemonic_children_at_exit(os.getpid())
+    return start_context(method)
+
+
+@functools.cache  # once a process; `pid`, so that a forked child registers its own
+def _kill_daemonic_children_at_exit(pid: int) -> None:
+    # multiprocessing's exit function (atexit's, or the end of a process multiprocessing
+    # started, which runs no atexit) runs the finalizers of priority >= 0 before it ends and
+    # waits for the daemonic children
     multiprocessing.util.Finalize(None, _kill_daemonic_children, exitpriority=0)
 
 
