@@ -26,8 +26,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $@
 
-# The tests' and hooks' tools, and the extras they test (the SLURM launcher, the MLflow and
-# W&B loggers: 0.8 GB of 2), which training on the built-in data does without.
+# The tests' and hooks' tools, and the extras they test (the SLURM launcher, the MLflow client
+# and W&B: 0.1 GB of 1.6), which training on the built-in data does without.
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/pip install --quiet --no-compile -e ".[dev]"
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
