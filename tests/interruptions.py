@@ -44,19 +44,25 @@ class InterruptAtStep(L.Callback):
 class InterruptAfterStep(L.Callback):
     """Raise an error in the on_train_batch_end of the batch that made global step `step`, or
     (`validation=True`) in the first validation of fit after it, at its batch `batch`: a
-    Ctrl-C or an error after a step and before its batch's end."""
+    Ctrl-C or an error after a step and before its batch's end. `how=sigkill`: the process
+    is killed there instead (a node lost)."""
 
-    def __init__(self, step: int, validation: bool = False, batch: int = 0) -> None:
-        self.step, self.validation, self.batch = step, validation, batch
+    def __init__(self, step: int, validation: bool = False, batch: int = 0, how: str = "error") -> None:
+        self.step, self.validation, self.batch, self.how = step, validation, batch, how
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
         if trainer.global_step == self.step and not self.validation:
-            raise RuntimeError(f"interrupted after step {self.step} on purpose")
+            self._interrupt(f"interrupted after step {self.step} on purpose")
 
     def on_validation_batch_start(self, trainer: L.Trainer, pl_module, batch, batch_idx: int, *args) -> None:
         fits = self.validation and not trainer.sanity_checking
         if fits and trainer.global_step == self.step and batch_idx == self.batch:
-            raise RuntimeError(f"interrupted in the validation after step {self.step} on purpose")
+            self._interrupt(f"interrupted in the validation after step {self.step} on purpose")
+
+    def _interrupt(self, message: str) -> None:
+        if self.how == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise RuntimeError(message)
 
 
 class CountEvaluatedBatches(L.Callback):

@@ -599,7 +599,8 @@ def test_a_run_stopped_after_a_step_and_before_its_batchs_end_resumes_exactly(ru
     due: the resume trained one step more (before, at any step: it logged every later step one
     too low). In the validation after a step: the resume took that validation as run (none
     logged, its best checkpoint never written, an older one tested), and under callbacks=ema
-    carried on from the average as the trained weights."""
+    carried on from the average as the trained weights. Killed in that validation, after a
+    periodic save at its step: the resume from that save skipped it alike."""
     command = [
         *TINY_SHAPES,
         "data.rows=4",
@@ -614,25 +615,35 @@ def test_a_run_stopped_after_a_step_and_before_its_batchs_end_resumes_exactly(ru
     run_entry_point("train.py", *command, f"hydra.run.dir={whole}")
     expected = logged_scalars(whole / "tensorboard")
     steps = len(expected["train/loss_step"])
-    for stopped, where in (
-        (run_entry_point.root / "after_epoch_0", [f"+callbacks.interrupt.step={steps // 2}"]),
+    in_validation = [
+        f"+callbacks.interrupt.step={steps}",
+        "+callbacks.interrupt.validation=true",
+        "+callbacks.interrupt.batch=1",
+    ]
+    periodic_save = [
+        f"callbacks.resume_checkpoint.every_n_train_steps={steps}",
+        "callbacks.resume_checkpoint.train_time_interval=null",
+    ]
+    for name, where, settings, exit_code in (
+        ("after_epoch_0", [f"+callbacks.interrupt.step={steps // 2}"], [], 1),
+        ("in_validation", in_validation, [], 1),
         (
-            run_entry_point.root / "in_validation",
-            [
-                f"+callbacks.interrupt.step={steps}",
-                "+callbacks.interrupt.validation=true",
-                "+callbacks.interrupt.batch=1",
-            ],
+            "killed_in_validation",
+            [*in_validation, "+callbacks.interrupt.how=sigkill"],
+            periodic_save,
+            -signal.SIGKILL,
         ),
     ):
+        stopped = run_entry_point.root / name
         interrupt = ["+callbacks.interrupt._target_=tests.interruptions.InterruptAfterStep", *where]
-        result = run_entry_point("train.py", *command, *interrupt, f"hydra.run.dir={stopped}", check=False)
-        assert result.returncode == 1 and "on purpose" in result.stderr, (result.stdout + result.stderr)[
-            -3000:
-        ]
+        result = run_entry_point(
+            "train.py", *command, *settings, *interrupt, f"hydra.run.dir={stopped}", check=False
+        )
+        output = result.stdout + result.stderr
+        assert result.returncode == exit_code and ("on purpose" in output) == (exit_code == 1), output[-3000:]
         saved_at = torch.load(stopped / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
         first_events = set((stopped / "tensorboard").iterdir())
-        run_entry_point("train.py", *command, f"hydra.run.dir={stopped}", "ckpt_path=last")
+        run_entry_point("train.py", *command, *settings, f"hydra.run.dir={stopped}", "ckpt_path=last")
         assert_resumed_exactly(whole, stopped, first_events, saved_at)
         resumed = {tag: [] for tag in expected}
         for events in sorted(set((stopped / "tensorboard").iterdir()) - first_events):
@@ -710,10 +721,12 @@ def test_periodic_saves_wait_for_the_end_of_an_accumulation_window(monkeypatch, 
     """A save inside a window would resume without its first batches' gradients; the epoch's
     last window steps however short it is."""
     progress = _BatchProgress()
+    no_validation = SimpleNamespace(batch_progress=progress, _should_check_val_fx=lambda fetcher: False)
     trainer = SimpleNamespace(
-        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+        fit_loop=SimpleNamespace(epoch_loop=no_validation, _data_fetcher=None),
         num_training_batches=batches,
         accumulate_grad_batches=2,
+        should_stop=False,
     )
     saved = []
     monkeypatch.setattr(

@@ -107,7 +107,8 @@ class ResumeCheckpoint(ModelCheckpoint):
         # a window so far are not in a checkpoint, so a resume from inside it would step on the
         # window's later batches alone. Every rank sees the same batch_idx: its collectives pair.
         if batches_stepped(trainer) == trainer.fit_loop.epoch_loop.batch_progress.current.processed:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            with saved_as_before_validation(trainer):
+                super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # after the epoch's validation: resuming from here starts the next epoch
@@ -167,17 +168,12 @@ def saved_as_within_epoch(trainer: L.Trainer) -> Iterator[None]:
     the resume trained its rest as the next epoch, one epoch short of the run. Where a
     validation was due at the stop, in the form of a save at that validation's end, whose
     resume counts the step for the loggers (they logged every later step one too high). Due
-    as the resume decides it, without the stop's request: Lightning validates at any
-    trainer.should_stop (trainer.max_time's), its resume does not, and it counted none."""
+    as the resume decides it (validation_due_on_resume)."""
     epoch_loop = trainer.fit_loop.epoch_loop
     epoch_progress = trainer.fit_loop.epoch_progress
     progress = epoch_loop.batch_progress
     cut_short = int(not progress.is_last_batch and progress.current.processed < trainer.num_training_batches)
-    stopping, trainer.should_stop = trainer.should_stop, False
-    try:
-        validated = cut_short and epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
-    finally:
-        trainer.should_stop = stopping
+    validated = cut_short and validation_due_on_resume(trainer)
     epoch_progress.current.processed -= cut_short
     epoch_progress.total.processed -= cut_short
     epoch_loop._batches_that_stepped -= validated
@@ -187,6 +183,28 @@ def saved_as_within_epoch(trainer: L.Trainer) -> Iterator[None]:
         epoch_progress.current.processed += cut_short
         epoch_progress.total.processed += cut_short
         epoch_loop._batches_that_stepped += validated
+
+
+@contextmanager
+def saved_as_before_validation(trainer: L.Trainer) -> Iterator[None]:
+    """A save in a batch's on_train_batch_end whose validation is due, in the form of a stop
+    at that validation's start (the batch ended, the validation's first batch begun), which a
+    resume runs: Lightning's resume completed the batch and skipped the validation (a kill
+    during it lost its metrics and its best checkpoint). Lightning runs the checkpoint
+    callbacks' on_train_batch_end after the other callbacks'."""
+    if not validation_due_on_resume(trainer):
+        yield
+        return
+    epoch_loop = trainer.fit_loop.epoch_loop
+    progresses = (epoch_loop.batch_progress, epoch_loop.val_loop.batch_progress)
+    before = [progress.state_dict() for progress in progresses]
+    epoch_loop.batch_progress.increment_completed()
+    validate_again(epoch_loop.val_loop, started=False)
+    try:
+        yield
+    finally:
+        for progress, state in zip(progresses, before, strict=True):
+            progress.load_state_dict(state)
 
 
 def resume_epoch_ends_as_ended(trainer: L.Trainer) -> None:
@@ -243,20 +261,30 @@ def rewind_to_last_step(trainer: L.Trainer) -> None:
         setattr(progress.total, field, getattr(progress.total, field) - surplus)
     if stepped < trainer.num_training_batches:
         progress.is_last_batch = False
+    validation_due = validation_due_on_resume(trainer)
     if not end_pending:
-        if 0 < stepped < trainer.num_training_batches and epoch_loop._should_check_val_fx(
-            trainer.fit_loop._data_fetcher
-        ):
+        if validation_due and 0 < stepped < trainer.num_training_batches:
             # the last step's validation has run (a stop signalled in it comes at the next
             # step): Lightning's resume takes the save for one at that validation's end and
             # counts the step for the loggers again (every later step logged one too far)
             epoch_loop._batches_that_stepped -= 1
         return
-    if in_validation or epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher):
+    if in_validation or validation_due:
         validate_again(epoch_loop.val_loop, in_validation)
     else:  # the form of a save in on_train_batch_end, whose end Lightning's resume completes
         progress.current.completed -= 1
         progress.total.completed -= 1
+
+
+def validation_due_on_resume(trainer: L.Trainer) -> bool:
+    """Whether fit's validation is due after the current batch, as a resume decides it:
+    without the stop's request (Lightning validates at any trainer.should_stop, as at
+    trainer.max_time's; its resume does not)."""
+    stopping, trainer.should_stop = trainer.should_stop, False
+    try:
+        return trainer.fit_loop.epoch_loop._should_check_val_fx(trainer.fit_loop._data_fetcher)
+    finally:
+        trainer.should_stop = stopping
 
 
 def validate_again(val_loop: Any, started: bool) -> None:
