@@ -107,6 +107,12 @@ def config(*overrides: str):
         (0, ["trainer.limit_train_batches=0"], "trainer.limit_train_batches=0 trains no batch"),
         (0, ["trainer.max_epochs=0"], "trainer.max_epochs=0 trains no batch"),
         (0, ["trainer.max_steps=0"], "trainer.max_steps=0 trains no batch"),
+        (
+            0,
+            ["debug=fdr", "ckpt_path=last"],
+            "trainer.fast_dev_run (debug=fdr) runs one batch of each stage and resumes no ckpt_path=last: "
+            "start from its weights with init_from=logs/train/runs/<run>/checkpoints/last.ckpt, or drop",
+        ),
         (0, ["data.patch_size=16"], "data.patch_size=16 but model.net.patch_size=8: the data's patches"),
         (0, ["model.net.patch_size=0"], "model.net.patch_size=0 must be a whole number above 0"),
         (0, ["optimizer.lr=-1"], "optimizer: Invalid learning rate: -1"),
