@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import os
 import pickle
 import re
 import subprocess
@@ -13,11 +14,13 @@ from typing import Any
 from unittest.mock import MagicMock
 
 import pytest
-from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+from omegaconf import OmegaConf
 
 from navit_lightning.utils.loggers import (
     AppendingExperimentWriter,
     ResumableMLFlowLogger,
+    instantiate_loggers,
     loggers_closed_on_failure,
 )
 from tests.conftest import TINY_RUN, logged_scalars, run_folder
@@ -154,6 +157,22 @@ def test_wandb_logger_writes_an_offline_run_into_each_jobs_folder(run_entry_poin
         records = history.read_bytes()
         assert (b"train/loss_step" in records and b"val/acc" in records) is (job != "0")
     assert sorted(path.name for path in root.iterdir()) == ["data", "logs"]
+
+
+def test_a_wandb_loggers_folder_is_where_ddp_spawns_ranks_write_its_run(monkeypatch, tmp_path):
+    """A spawned rank attaches to the launching process's W&B run and writes its files (the
+    pictures) under WANDB_DIR: they went to ./wandb of the working directory, not the run's."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))  # restored after the test
+    group = OmegaConf.create(
+        {
+            "tensorboard": {"_target_": "lightning.pytorch.loggers.TensorBoardLogger", "save_dir": "tb"},
+            "wandb": {"_target_": "lightning.pytorch.loggers.WandbLogger", "save_dir": str(tmp_path / "run")},
+        }
+    )
+    loggers = instantiate_loggers(group)
+    assert [type(logger) for logger in loggers] == [TensorBoardLogger, WandbLogger]
+    assert os.environ["WANDB_DIR"] == str(tmp_path / "run")
 
 
 def test_debug_limit_runs_a_few_batches_of_each_stage(run_entry_point):

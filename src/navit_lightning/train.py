@@ -29,7 +29,7 @@ from navit_lightning.utils.checkpoints import (
 )
 from navit_lightning.utils.entry_point import launch, log_config, run_task
 from navit_lightning.utils.instantiate import absolute_path, instantiate_group, switched_on
-from navit_lightning.utils.loggers import finish_loggers, loggers_closed_on_failure
+from navit_lightning.utils.loggers import finish_loggers, instantiate_loggers, loggers_closed_on_failure
 from navit_lightning.utils.shutdown import (
     StopTogetherOnSigterm,
     explain_collective_failure,
@@ -76,7 +76,7 @@ def build(
             part.monitorable_metrics() for part in (model, *callbacks) if hasattr(part, "monitorable_metrics")
         ]
         check_monitors(cfg.get("callbacks"), set().union(*logged))
-    loggers = instantiate_group(cfg.get("logger"))
+    loggers = instantiate_loggers(cfg.get("logger"))
     # Without a checkpoint callback (callbacks=none) Lightning adds one of its own, into the
     # logger's folder, where ckpt_path=last does not look
     checkpointing = cfg.trainer.get("enable_checkpointing")

@@ -23,7 +23,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning.errors import ConfigError, OutputError
-from navit_lightning.utils.instantiate import absolute_path, dotted_settings, instantiate_group, switched_on
+from navit_lightning.utils.instantiate import absolute_path, dotted_settings, switched_on
+from navit_lightning.utils.loggers import instantiate_loggers
 from navit_lightning.utils.shutdown import is_explained_elsewhere
 
 log = logging.getLogger(__name__)
@@ -577,7 +578,7 @@ def build_from_checkpoint(
     model = hydra.utils.instantiate(cfg.model)
     trainer = hydra.utils.instantiate(
         cfg.trainer,
-        logger=instantiate_group(cfg.get("logger")) or False,
+        logger=instantiate_loggers(cfg.get("logger")) or False,
         callbacks=switched_on(cfg.trainer, callbacks or []),
         enable_checkpointing=False,  # else Lightning adds a ModelCheckpoint of its own
     )

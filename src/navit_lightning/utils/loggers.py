@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 from argparse import Namespace
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -11,15 +12,27 @@ from typing import TYPE_CHECKING, Any
 
 import lightning as L
 from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
-from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from omegaconf import DictConfig
 
-from navit_lightning.utils.instantiate import absolute_path
+from navit_lightning.utils.instantiate import absolute_path, instantiate_group
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
+
+
+def instantiate_loggers(config: DictConfig | None) -> list[Logger]:
+    """The loggers of the logger group. A W&B logger's folder becomes WANDB_DIR: the ranks
+    that ddp_spawn starts attach to its run and write the run's files (the pictures) under
+    WANDB_DIR, by default the working directory, where they were lost to the run folder."""
+    loggers = instantiate_group(config)
+    for logger in loggers:
+        if isinstance(logger, WandbLogger) and logger.save_dir:
+            os.environ["WANDB_DIR"] = os.path.abspath(logger.save_dir)
+    return loggers
 
 
 class AppendingExperimentWriter(ExperimentWriter):
