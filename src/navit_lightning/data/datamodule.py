@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -473,7 +474,9 @@ class PackedImageDataModule(L.LightningDataModule):
         shape = self.process_shape()
         tokens = shape.rows * shape.row_len
         step_tokens = self.step_tokens()
-        step_images = ranks * accumulation * stats.images_per_batch
+        # over the epoch's steps, the last window stepping however short it is: this rank's
+        # images per batch would count its ranks' filler batches (no image) as full ones
+        step_images = stats.epoch_images / max(1, math.ceil(stats.batches / accumulation))
         rank_zero_info(
             f"train: {stats.batches} batches per epoch on each of {ranks} rank(s), each {shape.rows} "
             f"rows ({self.shape.rows} x {self._devices_per_process} device(s)) x {shape.row_len} tokens "

@@ -214,6 +214,7 @@ class PlanStats(NamedTuple):
     images_per_batch: float
     fill: float  # real tokens / (rows x row_len), over all the batches
     fill_but_last: float  # the same without the epoch's last batch, which takes what is left
+    epoch_images: int  # of every rank's batches
 
 
 class PackedBatchSampler(Sampler[list[SampleKey]]):
@@ -304,7 +305,8 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
         self._resume_at = (epoch, done)
 
     def plan_stats(self) -> PlanStats:
-        """This rank's batches of the current epoch: how many, how many images, how full."""
+        """This rank's batches of the current epoch: how many, how many images, how full; and
+        the images of the epoch on all ranks."""
         plan = self._epoch_plan()
         mine = self._rank_batches()
         real = plan.batches.sums(plan.keys.keep)[mine]
@@ -318,6 +320,7 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
             images / max(1, len(tokens)),
             float(tokens.sum()) / (max(1, len(tokens)) * capacity),
             float(but_last.sum()) / (max(1, len(but_last)) * capacity),
+            len(plan.batches.images),
         )
 
 
