@@ -306,7 +306,7 @@ def test_classes_whose_every_image_is_held_out_and_images_in_no_class_are_named(
     save(Image.new("RGB", (8, 8)), tmp_path / "stray.png")  # in no class: named, not silently lost
     with pytest.warns(UserWarning, match="data.val_fraction=0.2 held out every image of") as warned:
         datamodule.setup("fit")
-    beside = f"{tmp_path}: left out 1 image(s) beside its class folders (stray.png, ...)"
+    beside = f"{tmp_path}: left out 1 image(s) beside its class folders (stray.png): an image's class"
     assert any(beside in str(warning.message) for warning in warned)
     held = sorted(datamodule.class_names()[label] for label in datamodule.datasets["val"].images.labels)
     named = f"of {', '.join(held)}: the model never trains on them"

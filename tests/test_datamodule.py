@@ -22,7 +22,7 @@ from navit_lightning.batch import PackedBatch
 from navit_lightning.bench import train_config
 from navit_lightning.data import workers
 from navit_lightning.data.datamodule import PackedImageDataModule
-from navit_lightning.data.folder import Images, hold_out, mirrored
+from navit_lightning.data.folder import Images, classes_line, hold_out, mirrored
 from navit_lightning.data.index import StringTable
 from navit_lightning.data.sampler import SampleKey
 from navit_lightning.data.workers import WORKER_MODULES
@@ -653,3 +653,17 @@ def test_the_effective_batch_is_logged_once_with_the_images_of_every_rank_and_ac
         if not epoch:  # every training image, over the steps of 3 batches (the last one fewer)
             images = len(datamodule.datasets["train"]) / -(-len(loader.batch_sampler) // 3)
     assert logged == [{"effective_batch/tokens": 2 * 3 * 4 * 64, "effective_batch/images": round(images, 1)}]
+
+
+def test_the_classes_line_counts_each_classs_images_in_each_split():
+    """A data.root one level too high (the parent of two copies of the data) trained on the
+    copies as its classes without a line to show it."""
+    classes = [f"c{number}" for number in range(12)]
+    splits = {
+        "train": SimpleNamespace(labels=np.array([0, 0, 1, 11])),
+        "val": SimpleNamespace(labels=np.array([1])),
+    }
+    none = ", ".join(f"c{number} 0/0" for number in range(2, 10))
+    assert classes_line(Path("/data"), classes, splits) == (
+        f"/data: 12 classes, 4 train, 1 val images; train/val by class: c0 2/0, c1 1/1, {none} and 2 more"
+    )

@@ -22,6 +22,7 @@ from navit_lightning.data.folder import (
     ImageFolder,
     check_class_folders,
     check_every_class_readable,
+    classes_line,
     find_classes,
     folder_layout,
     hold_out,
@@ -299,6 +300,7 @@ class PackedImageDataModule(L.LightningDataModule):
         for name, images in splits.items():
             if not len(images.labels):
                 raise DataError(f"no readable images for the {name} split under {self.root}")
+        rank_zero_info(classes_line(self.root, classes, splits))
         self.datasets = {
             name: ImageFolder(images, self.patch_size, hflip=self.hflip if name == "train" else 0.0)
             for name, images in splits.items()

@@ -263,7 +263,8 @@ def left_out(
     folders (`loose`, by split folder, from split_images), and what lies beside the split
     folders."""
     lines = [
-        f"{root / folder}: left out {len(paths)} image(s) beside its class folders ({paths[0]}, ...): "
+        f"{root / folder}: left out {len(paths)} image(s) beside its class folders "
+        f"({paths[0]}{', ...' if len(paths) > 1 else ''}): "
         "an image's class is the folder it is in"
         for folder, paths in loose.items()
         if paths
@@ -275,6 +276,22 @@ def left_out(
         if unused:
             lines.append(f"{root}: left out {', '.join(unused)} (the splits are {', '.join(splits_in)})")
     return lines
+
+
+CLASSES_NAMED = 10  # in the line of the classes' counts; the others are counted
+
+
+def classes_line(root: Path, classes: list[str], splits: dict[str, Images]) -> str:
+    """The classes and their images in each split, in one line: a data.root one level too
+    high (the parent of two copies of the data) trained on the copies as classes, silently."""
+    counts = {split: np.bincount(images.labels, minlength=len(classes)) for split, images in splits.items()}
+    named = ", ".join(
+        f"{name} {'/'.join(str(count[label]) for count in counts.values())}"
+        for label, name in enumerate(classes[:CLASSES_NAMED])
+    )
+    others = f" and {len(classes) - CLASSES_NAMED} more" if len(classes) > CLASSES_NAMED else ""
+    totals = ", ".join(f"{int(count.sum())} {split}" for split, count in counts.items())
+    return f"{root}: {len(classes)} classes, {totals} images; {'/'.join(counts)} by class: {named}{others}"
 
 
 def images_of_files(items: list[tuple[Path, int]], workers: int = 1) -> tuple[Images, Unreadable]:
