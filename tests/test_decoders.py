@@ -145,3 +145,23 @@ def test_a_folder_without_jpegs_is_refused_with_one_line(tmp_path: Path):
     assert (
         result.returncode == 2 and "holds no JPEG files" in result.stderr and "Traceback" not in result.stderr
     )
+
+
+def test_a_folders_jpegs_are_found_as_training_finds_them_and_the_unreadable_counted(tmp_path: Path):
+    """An empty .jpg, a PNG named .jpg, a broken link and a macOS ._ file failed the benchmark
+    in a traceback, where training skips them."""
+    for name in ("b/1.jpg", "a/2.JPEG", "a/nested/3.jpg"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (8, 8)).save(tmp_path / name, format="JPEG")
+    (tmp_path / "a" / "empty.jpg").write_bytes(b"")
+    Image.new("RGB", (8, 8)).save(tmp_path / "a" / "png.jpg", format="PNG")
+    (tmp_path / "a" / "._2.jpg").write_bytes(b"\0" * 10)
+    (tmp_path / "a" / "gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    found, unreadable = bench.jpegs_under(tmp_path, count=10)
+    assert [path.relative_to(tmp_path).as_posix() for path in found] == [
+        "a/2.JPEG",
+        "a/nested/3.jpg",
+        "b/1.jpg",
+    ]
+    assert unreadable == 2
+    assert bench.jpegs_under(tmp_path, count=2)[0] == found[:2]

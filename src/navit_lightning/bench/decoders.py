@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from navit_lightning.data.folder import image_files_under
 from navit_lightning.data.packing import ImageSample
 from navit_lightning.data.transforms import ORIENTATION_TAG, JpegDecoder, image_to_sample
 
@@ -132,6 +133,28 @@ def available_decoders(names: list[str]) -> tuple[dict[str, JpegDecoder | None],
     return loaded, missing
 
 
+def jpegs_under(folder: Path, count: int) -> tuple[list[Path], int]:
+    """The first `count` readable JPEG files under `folder`, as training finds image files
+    (hidden files and broken links skipped), and how many JPEG-named files did not open as
+    one: training skips such files, where they failed the benchmark in a traceback."""
+    jpegs, unreadable = [], 0
+    for path in image_files_under(folder):
+        if len(jpegs) == count:
+            break
+        if path.suffix.lower() not in {".jpg", ".jpeg"}:
+            continue
+        try:
+            with Image.open(path) as image:
+                readable = image.format == "JPEG"
+        except OSError:
+            readable = False
+        if readable:
+            jpegs.append(path)
+        else:
+            unreadable += 1
+    return jpegs, unreadable
+
+
 def make_samples(paths: list[Path], max_patches: int, decoder: JpegDecoder | None) -> list[ImageSample]:
     samples = []
     for path in paths:
@@ -216,8 +239,9 @@ def main() -> None:
         print(f"{name}: not measured ({reason})")
     with tempfile.TemporaryDirectory() as temporary:
         if args.folder:
-            paths = sorted(p for p in args.folder.rglob("*") if p.suffix.lower() in {".jpg", ".jpeg"})
-            paths = paths[: args.count]
+            paths, unreadable = jpegs_under(args.folder, args.count)
+            if unreadable:
+                print(f"--folder {args.folder}: skipped {unreadable} .jpg or .jpeg file(s), no readable JPEG")
             if not paths:
                 parser.error(
                     f"--folder {args.folder} holds no JPEG files (.jpg, .jpeg): the decoders read JPEGs"
