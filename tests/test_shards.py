@@ -124,6 +124,11 @@ def test_a_folder_that_cannot_train_is_not_sharded(tmp_path):
     ):
         write_shards(tmp_path / "images", tmp_path / "images" / "shards")
     assert not (tmp_path / "images" / "shards").exists()
+    # into another image folder: the shards and their manifest lay among its class folders
+    (tmp_path / "other" / "bird").mkdir(parents=True)
+    with pytest.raises(DataError, match=r"other holds other files than a shard set \(bird\): write the"):
+        write_shards(tmp_path / "images", tmp_path / "other")
+    assert [p.name for p in (tmp_path / "other").iterdir()] == ["bird"]
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ import io
 import json
 import logging
 import os
+import re
 import tarfile
 from pathlib import Path
 
@@ -39,6 +40,11 @@ from navit_lightning.errors import DataError
 log = logging.getLogger(__name__)
 
 CLASSES_NAME = "classes.json"
+# what write_shards writes into its folder, which it rewrites; it refuses a folder of other
+# files (hidden ones aside: a .DS_Store)
+SHARD_SET_FILE = re.compile(
+    rf"\w+-\d{{6}}\.tar|\w+\.wids\.json|{re.escape(CLASSES_NAME)}|{re.escape(MANIFEST_NAME)}"
+)
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -55,6 +61,14 @@ def write_shards(
     if out.resolve().is_relative_to(folder.resolve()):
         # taken for a class folder of no images, then refused: the folder trained no more
         raise DataError(f"{out} is inside the image folder {folder}: write the shards to a folder outside it")
+    present = [p.name for p in out.iterdir()] if out.is_dir() else []
+    others = sorted(name for name in present if not (SHARD_SET_FILE.fullmatch(name) or name.startswith(".")))
+    if others:
+        # an image folder's own files lay beside the shards, its manifest replaced by theirs
+        raise DataError(
+            f"{out} holds other files than a shard set ({', '.join(others[:3])}"
+            f"{', ...' if len(others) > 3 else ''}): write the shards to a new or empty folder"
+        )
     manifest = index_folder(folder, index_dir, workers=workers)
     layout = folder_layout(folder)
     classes = find_classes(folder / layout["train"])
