@@ -34,6 +34,7 @@ from navit_lightning.utils.checkpoints import (
     read_checkpoint,
     resume_epoch_ends_as_ended,
     same_folder,
+    saved_as_before_validation,
 )
 from navit_lightning.utils.entry_point import refusal
 from navit_lightning.utils.instantiate import absolute_path
@@ -676,9 +677,14 @@ def test_a_run_that_ended_within_an_epoch_resumes_exactly(run_entry_point):
     validation alike); kept from the validation's form, it logged each step one too high. A
     stop asked in epoch 1 (trainer.max_time's) was taken for that form: one too low. And
     max_steps=8 ends epoch 0 at its end: given max_steps, Lightning resumed the epoch's end
-    as an epoch running, counted it twice, and trained nothing more."""
+    as an epoch running, counted it twice, and trained nothing more. A periodic save at the
+    validation's step, before it, must not be the run's last: its resume ran it again."""
     command = [*TINY_RUN, "trainer.max_epochs=2", "trainer.val_check_interval=0.5", "model.scheduler=null"]
     command += ["test=false", "patch_budgets=null", "trainer.max_steps=12"]
+    command += [
+        "callbacks.resume_checkpoint.every_n_train_steps=4",
+        "callbacks.resume_checkpoint.train_time_interval=null",
+    ]
     stop_asked = ["+callbacks.interrupt._target_=tests.interruptions.InterruptAtStep"]
     stop_asked += ["+callbacks.interrupt.step=10", "+callbacks.interrupt.how=should_stop"]
     whole = run_entry_point.root / "whole"
@@ -696,6 +702,7 @@ def test_a_run_that_ended_within_an_epoch_resumes_exactly(run_entry_point):
         assert [step for step in validated[0] if step >= saved_at] == [
             s for s in validated[1] if s >= saved_at
         ]
+        assert len(set(validated[1])) == len(validated[1]), validated[1]
 
 
 @pytest.mark.slow
@@ -727,6 +734,7 @@ def test_periodic_saves_wait_for_the_end_of_an_accumulation_window(monkeypatch, 
         num_training_batches=batches,
         accumulate_grad_batches=2,
         should_stop=False,
+        _val_check_time_interval=None,
     )
     saved = []
     monkeypatch.setattr(
@@ -740,6 +748,35 @@ def test_periodic_saves_wait_for_the_end_of_an_accumulation_window(monkeypatch, 
         resume.on_train_batch_end(trainer, None, None, None, batch_idx)
         progress.increment_completed()
     assert saved == saved_after
+
+
+@pytest.mark.parametrize("timed", [False, True])
+def test_a_save_before_a_due_validation_is_a_stop_at_its_start_unless_the_validation_is_timed(timed):
+    """A resume runs such a stop's validation; a timed one it skips (its clock starts anew),
+    and the form made it log every later step one too low."""
+    batches, validations = _BatchProgress(), _BatchProgress()
+    for batch in range(3):  # in the third batch's on_train_batch_end
+        batches.increment_ready()
+        batches.increment_started()
+        batches.increment_processed()
+        if batch < 2:
+            batches.increment_completed()
+    epoch_loop = SimpleNamespace(
+        batch_progress=batches,
+        val_loop=SimpleNamespace(batch_progress=validations),
+        _should_check_val_fx=lambda fetcher: True,
+    )
+    trainer = SimpleNamespace(
+        fit_loop=SimpleNamespace(epoch_loop=epoch_loop, _data_fetcher=None),
+        should_stop=False,
+        _val_check_time_interval=60.0 if timed else None,
+    )
+    before = (batches.state_dict(), validations.state_dict())
+    with saved_as_before_validation(trainer) as applied:
+        saved = (batches.current.completed, validations.current.started, validations.current.completed)
+    assert applied is not timed
+    assert saved == ((2, 0, 0) if timed else (3, 1, 0))
+    assert (batches.state_dict(), validations.state_dict()) == before
 
 
 @pytest.mark.slow

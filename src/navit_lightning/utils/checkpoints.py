@@ -108,8 +108,13 @@ class ResumeCheckpoint(ModelCheckpoint):
         # a window so far are not in a checkpoint, so a resume from inside it would step on the
         # window's later batches alone. Every rank sees the same batch_idx: its collectives pair.
         if batches_stepped(trainer) == trainer.fit_loop.epoch_loop.batch_progress.current.processed:
-            with saved_as_before_validation(trainer):
+            with saved_as_before_validation(trainer) as before_validation:
                 super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            if before_validation and self._last_global_step_saved == trainer.global_step:
+                # a save at an epoch's or the fit's end after that validation is not skipped as
+                # made at this step: a run ended there kept the before-validation form, and
+                # every resume of it ran that validation again
+                self._last_global_step_saved = -1
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # after the epoch's validation: resuming from here starts the next epoch
@@ -187,14 +192,17 @@ def saved_as_within_epoch(trainer: L.Trainer) -> Iterator[None]:
 
 
 @contextmanager
-def saved_as_before_validation(trainer: L.Trainer) -> Iterator[None]:
+def saved_as_before_validation(trainer: L.Trainer) -> Iterator[bool]:
     """A save in a batch's on_train_batch_end whose validation is due, in the form of a stop
     at that validation's start (the batch ended, the validation's first batch begun), which a
     resume runs: Lightning's resume completed the batch and skipped the validation (a kill
     during it lost its metrics and its best checkpoint). Lightning runs the checkpoint
-    callbacks' on_train_batch_end after the other callbacks'."""
-    if not validation_due_on_resume(trainer):
-        yield
+    callbacks' on_train_batch_end after the other callbacks', so the form holds every batch
+    end's work (an EMA update). Yields whether it applies. Not to a timed validation
+    (trainer.val_check_interval as a time): the resume starts its clock anew and skips it,
+    and read the form as a skipped stop inside it (every later step logged one too low)."""
+    if trainer._val_check_time_interval is not None or not validation_due_on_resume(trainer):
+        yield False
         return
     epoch_loop = trainer.fit_loop.epoch_loop
     progresses = (epoch_loop.batch_progress, epoch_loop.val_loop.batch_progress)
@@ -202,7 +210,7 @@ def saved_as_before_validation(trainer: L.Trainer) -> Iterator[None]:
     epoch_loop.batch_progress.increment_completed()
     validate_again(epoch_loop.val_loop, started=False)
     try:
-        yield
+        yield True
     finally:
         for progress, state in zip(progresses, before, strict=True):
             progress.load_state_dict(state)
