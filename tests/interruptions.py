@@ -48,6 +48,8 @@ class InterruptAfterStep(L.Callback):
     is killed there instead (a node lost)."""
 
     def __init__(self, step: int, validation: bool = False, batch: int = 0, how: str = "error") -> None:
+        if how not in ("error", "sigkill"):
+            raise ValueError(f"how={how!r}: error or sigkill")
         self.step, self.validation, self.batch, self.how = step, validation, batch, how
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
@@ -61,7 +63,7 @@ class InterruptAfterStep(L.Callback):
 
     def _interrupt(self, message: str) -> None:
         if self.how == "sigkill":
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)  # the process ends here
         raise RuntimeError(message)
 
 

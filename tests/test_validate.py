@@ -110,8 +110,8 @@ def config(*overrides: str):
         (
             0,
             ["debug=fdr", "ckpt_path=last"],
-            "trainer.fast_dev_run (debug=fdr) runs one batch of each stage and resumes no ckpt_path=last: "
-            "start from its weights with init_from=logs/train/runs/<run>/checkpoints/last.ckpt, or drop",
+            "trainer.fast_dev_run=True (debug=fdr) runs a few batches of each stage and resumes no "
+            "ckpt_path=last: start from its weights with init_from=logs/train/runs/<run>/checkpoints/",
         ),
         (0, ["data.patch_size=16"], "data.patch_size=16 but model.net.patch_size=8: the data's patches"),
         (0, ["model.net.patch_size=0"], "model.net.patch_size=0 must be a whole number above 0"),

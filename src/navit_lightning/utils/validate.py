@@ -180,14 +180,6 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
                 f"{untrained[0]} trains no batch (Lightning skips the fit): leave it out, or test a "
                 f"checkpoint with train=false ckpt_path={CKPT_PATH_EXAMPLE} (or eval.py)"
             )
-        if cfg.get("train", True) and trainer.get("fast_dev_run") and ckpt_path is not None:
-            # Lightning's fast_dev_run ends the fit at epoch 1 and step 1: one past them was
-            # refused naming trainer.max_epochs, which the command never set
-            weights = CKPT_PATH_EXAMPLE if ckpt_path in LIGHTNING_CKPT_NAMES else ckpt_path
-            raise ConfigError(
-                f"trainer.fast_dev_run (debug=fdr) runs one batch of each stage and resumes no "
-                f"ckpt_path={ckpt_path}: start from its weights with init_from={weights}, or drop debug=fdr"
-            )
         if not cfg.get("train", True) and ckpt_path is None:
             raise ConfigError(
                 f"train=false tests a checkpoint, the network's weights would be its initial ones: "
@@ -195,6 +187,15 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
             )
         if ckpt_path is not None and ckpt_path not in LIGHTNING_CKPT_NAMES:
             read_checkpoint(ckpt_path)
+        if cfg.get("train", True) and trainer.get("fast_dev_run") and ckpt_path is not None:
+            # Lightning's fast_dev_run ends the fit at epoch 1 and at step fast_dev_run: a
+            # checkpoint past them was refused naming trainer.max_epochs, never set
+            weights = CKPT_PATH_EXAMPLE if ckpt_path in LIGHTNING_CKPT_NAMES else ckpt_path
+            raise ConfigError(
+                f"trainer.fast_dev_run={trainer.fast_dev_run} (debug=fdr) runs a few batches of each "
+                f"stage and resumes no ckpt_path={ckpt_path}: start from its weights with "
+                f"init_from={weights}, or drop debug=fdr"
+            )
         if cfg.get("init_from") is not None:
             read_checkpoint(cfg.init_from, key="init_from")
 
