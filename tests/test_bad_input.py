@@ -400,10 +400,11 @@ def test_train_on_a_messy_folder_to_the_end_and_evaluate_it_from_elsewhere(run_e
     output = result.stdout + result.stderr
     for name in ("garbage.jpg", "empty.png"):
         assert output.count(f"{name}: not a readable image") == 1
-    assert re.search(r"messy: left out 2 unreadable files \(named above\)", output)
     # Decoded every epoch (2 here), named once, counted in each epoch's report; on the console
-    # and in train.log both, though a loader worker decodes them.
+    # and in train.log both, though a loader worker decodes them; the warnings too.
     log = (run_folder(tmp_path) / "train.log").read_text()
+    for text in (output, log):
+        assert re.search(r"messy: left out 2 unreadable files \(named above\)", text)
     for name in ("truncated.jpg", "truncated.png"):
         assert (
             output.count(f"{name}: it could not be decoded")

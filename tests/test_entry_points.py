@@ -85,7 +85,10 @@ def test_train_then_eval_reports_accuracy(run_entry_point):
     assert_run_folder(run)
     output = train.stdout + train.stderr
     assert "training batches per rank: [" in output
-    assert "world size 1" in (run / "train.log").read_text()
+    log = (run / "train.log").read_text()
+    assert "world size 1" in log
+    # the test's result in one line, in the log file too, of the checkpoint it tested
+    assert re.search(r"test accuracy: [0-9.]+ on 48 images \(.*/checkpoints/epoch_000.ckpt\)", log)
     # Lightning's noise that asks nothing of the user is dropped (tidy_lightning_output).
     for noise in ("LeafSpec", "on_before_batch_transfer", "litlogger"):
         assert noise not in output, noise
@@ -99,7 +102,7 @@ def test_train_then_eval_reports_accuracy(run_entry_point):
     # folder the command ran in, also where the job runs in its run folder (it was refused)
     last = run.relative_to(run_entry_point.root) / "checkpoints" / "last.ckpt"
     result = run_entry_point("eval.py", f"ckpt_path={last}", "hydra.job.chdir=true")
-    accuracy = re.search(r"test accuracy: ([0-9.]+)", result.stdout + result.stderr)
+    accuracy = re.search(r"test accuracy: ([0-9.]+) on (\d+) images", result.stdout + result.stderr)
     assert accuracy and 0.0 <= float(accuracy.group(1)) <= 1.0
 
     # train=false tests the checkpoint it is given (it tested the initial weights)
@@ -111,8 +114,8 @@ def test_train_then_eval_reports_accuracy(run_entry_point):
         "patch_budgets=null",
         "hydra.job.chdir=true",
     )
-    test_acc = re.search(r"test/acc\s+│\s+([0-9.]+)", tested.stdout)
-    assert test_acc and float(test_acc.group(1)) == pytest.approx(float(accuracy.group(1)), abs=5e-5)
+    test_acc = re.search(r"test accuracy: ([0-9.]+) on (\d+) images \((.*)\)", tested.stdout)
+    assert test_acc and test_acc.group(1, 2) == accuracy.group(1, 2) and test_acc[3].endswith("last.ckpt")
 
     # The same network on another folder of images.
     images = run_entry_point.root / TINY_SET / "val"

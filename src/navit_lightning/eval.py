@@ -16,9 +16,10 @@ from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.errors import ConfigError
 from navit_lightning.resolution import (
     SPLIT_STAGES,
-    EvalCounter,
     accuracy_across_budgets,
+    accuracy_line,
     budgets_past_the_tables,
+    counting,
     past_the_tables,
     report,
 )
@@ -87,14 +88,10 @@ def scores(
         report(results, trainer, Path(cfg.paths.output_dir), f"{cfg.split}: {Path(cfg.ckpt_path).name}")
         return {f"{cfg.split}/acc@{result.patch_budget}": result.accuracy for result in results}
     # Counted as logged, over every rank: under ddp_spawn this process never sets the data up.
-    trainer.callbacks.append(EvalCounter())
-    with explain_collective_failure(trainer):
+    with explain_collective_failure(trainer), counting(trainer):
         getattr(trainer, SPLIT_STAGES[cfg.split])(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
-    rank_zero_info(
-        f"{cfg.split} accuracy: {metrics[f'{cfg.split}/acc']:.4f} on {metrics[f'{cfg.split}/images']:.0f} "
-        f"images ({cfg.ckpt_path})"
-    )
+    rank_zero_info(accuracy_line(cfg.split, metrics, cfg.ckpt_path))
     return metrics
 
 

@@ -8,7 +8,8 @@ import argparse
 import csv
 import gc
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,25 @@ class EvalCounter(L.Callback):
             )
 
 
+@contextmanager
+def counting(trainer: L.Trainer) -> Iterator[None]:
+    """The trainer's evaluations inside the block log their images, tokens and seconds
+    (EvalCounter); a fit after it logs none."""
+    counter = EvalCounter()
+    trainer.callbacks.append(counter)
+    try:
+        yield
+    finally:
+        trainer.callbacks.remove(counter)
+
+
+def accuracy_line(split: str, metrics: Mapping[str, float], evaluated: str) -> str:
+    """The one line that states an evaluation's result, from the metrics it logged under
+    counting(): its accuracy, on how many images, of which weights."""
+    accuracy, images = metrics[f"{split}/acc"], metrics[f"{split}/images"]
+    return f"{split} accuracy: {accuracy:.4f} on {images:.0f} images ({evaluated})"
+
+
 # the Trainer stage that sets a split up, and the Trainer method that runs it
 SPLIT_STAGES = {"val": "validate", "test": "test", "predict": "predict"}
 
@@ -158,17 +178,15 @@ def accuracy_across_budgets(
     ratio scaled to at most that many patches; `ckpt_path`, if given, is loaded first. One
     evaluation for all budgets: under ddp_spawn every evaluation starts the ranks anew."""
     run_split = getattr(trainer, SPLIT_STAGES[split])
-    counter = EvalCounter()
     # The per-budget metrics stay out of the run's loggers (they would log at step 0):
     # report() logs them with the budget as the step.
     loggers, trainer.loggers = trainer.loggers, []
-    trainer.callbacks.append(counter)
     try:
         datamodule.evaluate_at(budgets)
-        run_split(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
+        with counting(trainer):
+            run_split(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
     finally:
         datamodule.evaluate_at(None)
-        trainer.callbacks.remove(counter)
         trainer.loggers = loggers
     results, counts = [], []
     for index, budget in enumerate(budgets):

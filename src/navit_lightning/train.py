@@ -19,7 +19,13 @@ from navit_lightning.data.datamodule import EFFECTIVE_BATCH_METRICS, PackedImage
 from navit_lightning.data.sampler import refuse_other_ranks
 from navit_lightning.errors import ConfigError
 from navit_lightning.lit_module import NaViTClassifier
-from navit_lightning.resolution import accuracy_across_budgets, budgets_that_fit, report
+from navit_lightning.resolution import (
+    accuracy_across_budgets,
+    accuracy_line,
+    budgets_that_fit,
+    counting,
+    report,
+)
 from navit_lightning.utils.callbacks import StoreRunConfig
 from navit_lightning.utils.checkpoints import (
     CKPT_PATH_EXAMPLE,
@@ -182,8 +188,11 @@ def fit_and_test(
         # checkpoint train=false was given
         tested = (best or None) if cfg.train else ckpt_path
         if cfg.test:
-            trainer.test(model, datamodule=datamodule, ckpt_path=tested)
+            with counting(trainer):
+                trainer.test(model, datamodule=datamodule, ckpt_path=tested)
             metrics.update({name: float(value) for name, value in trainer.callback_metrics.items()})
+            if "test/acc" in metrics:  # trainer.limit_test_batches=0 tests nothing
+                rank_zero_info(accuracy_line("test", metrics, tested or "the last weights"))
         budgets = list(cfg.get("patch_budgets") or [])
         if budgets and trainer.limit_val_batches == 0:  # its validation would log no accuracy
             rank_zero_warn("patch_budgets skipped: trainer.limit_val_batches=0 evaluates no val batch")

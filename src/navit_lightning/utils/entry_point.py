@@ -137,6 +137,29 @@ def tidy_lightning_output() -> None:
     # A named function, not a lambda: addFilter skips a filter it already holds, so a sweep's
     # jobs and spawned ranks, each calling this, do not stack copies of it.
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(drop_lightning_adverts)
+    warnings_into_the_log_file()
+
+
+def warnings_into_the_log_file() -> None:
+    """Show a warning on stderr as Python does, and write it into the run's log file too
+    (train.log, eval.log): a skipped image, a budget left out or a setting overruled was
+    missing there, where a finished run is read. Called again for a sweep's next job, whose
+    log file is another."""
+    logging.captureWarnings(True)
+    logger = logging.getLogger("py.warnings")
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False  # the console handler would show it again, on stdout
+    logger.addFilter(without_final_newline)
+    logger.handlers[:] = [
+        logging.StreamHandler(sys.stderr),
+        *(handler for handler in logging.getLogger().handlers if isinstance(handler, logging.FileHandler)),
+    ]
+
+
+def without_final_newline(record: logging.LogRecord) -> bool:
+    """A captured warning's text ends with a newline, to which a handler adds its own."""
+    record.msg = str(record.msg).rstrip("\n")
+    return True
 
 
 def drop_lightning_adverts(record: logging.LogRecord) -> bool:
