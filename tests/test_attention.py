@@ -73,6 +73,17 @@ def test_backend_matches_the_reference(device, backend, dtype):
     assert_matches_the_reference(device, backend, dtype)
 
 
+def test_segments_stays_in_float64_on_the_cpu():
+    """trainer.precision=64-true, for checking numerics: segments attended in float32 on a
+    CPU, so its features were 2e-7 off (FlexAttention has no float64 there: refused)."""
+    batch = reference_batch()
+    reference = features_and_grads("sdpa", batch, "cpu", torch.float64, grads=True)
+    features, grads = features_and_grads("segments", batch, "cpu", torch.float64, grads=True)
+    torch.testing.assert_close(features, reference[0], atol=1e-12, rtol=1e-12)
+    for name, grad in reference[1].items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-12, rtol=1e-10, msg=name)
+
+
 @pytest.mark.parametrize("bucket_step", [4, 16])
 def test_segments_grouping_several_lengths_matches_the_reference(monkeypatch, bucket_step):
     """Coarser groups pad their shorter images; the key mask must hide that padding."""

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 
-from navit_lightning.batch import PackedBatch, PackedShape, image_index
+from navit_lightning.batch import PAD_ID, PackedBatch, PackedShape, image_index
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.data.packing import pack
 from navit_lightning.errors import ConfigError
@@ -65,6 +65,38 @@ def test_coordinates_past_the_table_are_refused_on_the_host_before_the_copy():
     model.net.pos_embed.max_grid = 4  # the batch has images 7 patches long
     with pytest.raises(ValueError, match=r"or train with a larger model\.net\.max_grid"):
         model.on_before_batch_transfer(make_batch(), 0)
+
+
+def test_a_fit_with_an_image_past_the_position_tables_is_refused_before_its_first_step(project_root):
+    """It stopped at the batch that held the image, hours in maybe, and its resume there."""
+    datamodule = shapes_datamodule(project_root, num_workers=0)
+    datamodule.setup("fit")
+    longest = max(datamodule.longest_side(split) for split in ("train", "val"))
+    net = NaViT(patch_size=16, dim=32, depth=1, heads=2, max_grid=longest - 1)
+    model = NaViTClassifier(
+        net, num_classes=datamodule.num_classes, optimizer=partial(torch.optim.SGD, lr=0.1)
+    )
+    trainer = one_step_trainer(accumulate_grad_batches=1)
+    with pytest.raises(
+        ConfigError, match=f"an image is {longest} patches long but model.net.max_grid={longest - 1}"
+    ):
+        trainer.fit(model, datamodule=datamodule)
+    assert trainer.global_step == 0
+
+
+def test_a_row_of_another_layout_is_refused_on_the_host():
+    """Padding first, as a packer of one's own might lay a row out: the CPU's default backend
+    (segments) gave other features, silently."""
+    batch = make_batch()
+    padded = int((batch.image_ids == PAD_ID).any(1).nonzero()[0])
+    image_ids = batch.image_ids.clone()
+    image_ids[padded] = image_ids[padded].roll(1)
+    rolled = batch._replace(image_ids=image_ids)
+    with pytest.raises(
+        ValueError,
+        match=rf"row {padded}: a row must hold slot 0's tokens, slot 1's, \.\.\., then its padding",
+    ):
+        make_model("linear").on_before_batch_transfer(rolled, 0)
 
 
 def test_weight_decay_spares_vectors_the_position_tables_and_the_pooling_query():
@@ -318,6 +350,7 @@ def test_each_stage_starts_its_metrics_from_nothing_and_only_fit_compiles(monkey
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # no Trainer here to log to
         model.validation_step(batch, 0)
+    model.trainer = bare_trainer()  # without a datamodule
     model.setup("validate")
     assert model.metrics["val_loss"].images.item() == 0 and model.val_confusion.confmat.sum() == 0
     compiled: list[bool] = []

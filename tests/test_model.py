@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from einops import rearrange
@@ -111,6 +113,10 @@ def test_a_token_at_row_y_column_x_gets_row_table_y_plus_column_table_x(
         (dict(mlp_ratio=0.01), "model.net.mlp_ratio=0.01 gives each block's MLP 0 hidden units"),
         # it built, and failed at the first batch with a shape error
         (dict(dim=30, heads=4), "model.net.dim=30 must be divisible by model.net.heads=4"),
+        # it trained on NaN to the end, exit 0; the other failed in a traceback of a shape error
+        (dict(pixel_std=[0, 1, 1]), re.escape("model.net.pixel_std[0]=0 must be a number above 0")),
+        (dict(pixel_std=[0.5, 0.5]), re.escape("model.net.pixel_std=[0.5, 0.5] must be a list of 3 numbers")),
+        (dict(pixel_mean=0.5), "model.net.pixel_mean=0.5 must be a list of 3 numbers, one per channel"),
     ],
 )
 def test_settings_that_would_build_another_network_silently_are_refused(setting, message):

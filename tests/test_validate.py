@@ -178,6 +178,11 @@ def saved_run(folder, attention: str | None):
             "model.net.attention=varlen is flash attention on CUDA: on CPU use +model.net.attention=auto",
         ),
         ("varlen", ["+model.net.attention=flex"], None),  # FlexAttention's forward runs on CPU
+        (  # in float32 and half types: inductor failed in a traceback
+            "auto",
+            ["+model.net.attention=flex", "trainer.precision=64-true"],
+            "model.net.attention=flex runs no float64 on CPU (trainer.precision=64-true): use +model",
+        ),
         ("varlen", ["+model.net.attention=varlen"], "on CPU use +model.net.attention=auto"),
         ("auto", [], None),
     ],
@@ -509,7 +514,9 @@ def test_a_constructor_refusing_a_setting_says_which_in_one_line(overrides, mess
 
 def test_a_constructor_failing_otherwise_keeps_its_traceback():
     with pytest.raises(InstantiationException) as raised:
-        hydra.utils.instantiate({"_target_": "navit_lightning.models.NaViT", "pixel_std": "oops"})
+        hydra.utils.instantiate(
+            {"_target_": "navit_lightning.models.pos_embed.FactorizedPosEmbed", "dim": "oops", "max_grid": 4}
+        )
     assert refusal(raised.value) is None
 
 

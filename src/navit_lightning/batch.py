@@ -19,7 +19,9 @@ IGNORE_LABEL = -100
 class PackedBatch(NamedTuple):
     patches: torch.Tensor  # (R, L, p*p*C) uint8 pixels, normalised on the device
     coords: torch.Tensor  # (R, L, 2) (y, x) of each patch in its image's grid
-    image_ids: torch.Tensor  # (R, L) image slot of each token in its row; PAD_ID for padding
+    # (R, L) image slot of each token in its row, PAD_ID for padding; a row is slot 0's
+    # tokens, slot 1's, ..., then its padding (check_layout)
+    image_ids: torch.Tensor
     grid: torch.Tensor  # (R, K, 2) (h, w) in patches of each slot; 0 for an empty slot
     labels: torch.Tensor  # (R, K) class of each slot; IGNORE_LABEL for an empty slot
 
@@ -35,6 +37,20 @@ class PackedBatch(NamedTuple):
     @property
     def num_real_tokens(self) -> int:
         return int((self.image_ids != PAD_ID).sum())
+
+
+def check_layout(image_ids: torch.Tensor) -> None:
+    """Refuses a row whose tokens are not its images in slot order and then its padding: the
+    segments and varlen backends cut a row by its slots' lengths alone, so a packer of another
+    layout had images attend across each other, silently."""
+    padding_last = image_ids.masked_fill(image_ids == PAD_ID, torch.iinfo(image_ids.dtype).max)
+    out_of_order = (padding_last[:, 1:] < padding_last[:, :-1]).any(1)
+    if out_of_order.any():
+        row = int(out_of_order.nonzero()[0])
+        raise ValueError(
+            f"PackedBatch.image_ids, row {row}: a row must hold slot 0's tokens, slot 1's, ..., then "
+            "its padding (PAD_ID), as data.packing.pack lays it out"
+        )
 
 
 def image_index(batch: PackedBatch, num_images: int | None = None) -> torch.Tensor:

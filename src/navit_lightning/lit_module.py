@@ -15,7 +15,7 @@ from torch import nn
 from torchmetrics import MaxMetric, Metric
 from torchmetrics.classification import MulticlassConfusionMatrix
 
-from navit_lightning.batch import IGNORE_LABEL, PackedBatch, image_index
+from navit_lightning.batch import IGNORE_LABEL, PackedBatch, check_layout, image_index
 from navit_lightning.errors import ConfigError, require_flags
 from navit_lightning.models import NaViT, build_head
 from navit_lightning.utils.schedules import check_lr_scaling, lr_scale
@@ -198,8 +198,18 @@ class NaViTClassifier(L.LightningModule):
         for metric in self.modules():
             if isinstance(metric, Metric):
                 metric.reset()
+        if stage == "fit":
+            self._refuse_images_past_the_tables()
         if self.compile and stage == "fit":
             self.net.compile()  # in place: the state_dict keys stay those of the plain network
+
+    def _refuse_images_past_the_tables(self) -> None:
+        """Before a fit, from the data's image sizes: an image longer than the absolute position
+        tables stopped the fit at the batch that held it, hours in maybe, and its resume there."""
+        longest_side = getattr(self.trainer.datamodule, "longest_side", None)
+        if longest_side is not None:
+            for split in ("train", "val"):
+                self.net.pos_embed.check_side(longest_side(split))
 
     def forward(self, batch: PackedBatch, index: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (N, classes) of the batch's N images, in row-major slot order; `index`: their
@@ -268,6 +278,7 @@ class NaViTClassifier(L.LightningModule):
     def on_before_batch_transfer(self, batch: PackedBatch, dataloader_idx: int) -> PackedBatch:
         # Counted and checked here, on the host, before the copy: on the device each is a sync.
         self._host_counts = BatchCounts.of(batch)
+        check_layout(batch.image_ids)
         self.net.pos_embed.check_coords(batch.coords)
         if self.trainer.training:
             self.flops_per_batch = int(self.net.train_flops(batch))

@@ -177,9 +177,11 @@ class SegmentsBackend:
             return self.attend(q, k, v, plan)
         # On a CPU in float32, also under bf16 autocast: the CPU's bf16 flash kernel pads each
         # group to a long block (a group of 30 16-token images: 6.7 ms forward and backward in
-        # bf16, 0.8 ms in float32 on an AMX CPU, docs/benchmarks.md).
+        # bf16, 0.8 ms in float32 on an AMX CPU, docs/benchmarks.md). float64 (64-true, for
+        # checking numerics) stays float64.
+        dtype = torch.promote_types(v.dtype, torch.float32)
         with torch.autocast("cpu", enabled=False):
-            return self.attend(q.float(), k.float(), v.float(), plan).to(v.dtype)
+            return self.attend(q.to(dtype), k.to(dtype), v.to(dtype), plan).to(v.dtype)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan) -> torch.Tensor:
         """SDPA within each group of the plan: (P, H, D) each -> (P, H, D)."""

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from navit_lightning.batch import PackedBatch
-from navit_lightning.errors import ConfigError, require_counts, require_flags, require_positive
+from navit_lightning.errors import ConfigError, is_number, require_counts, require_flags, require_positive
 from navit_lightning.models.attention import (
     Attention,
     Backend,
@@ -111,6 +111,14 @@ class NaViT(nn.Module):
             max_grid=max_grid,
         )
         require_positive("model.net", mlp_ratio=mlp_ratio)
+        for name, values in (("pixel_mean", pixel_mean), ("pixel_std", pixel_std)):
+            if not (
+                isinstance(values, Sequence) and len(values) in (1, channels) and all(map(is_number, values))
+            ):
+                raise ConfigError(
+                    f"model.net.{name}={values} must be a list of {channels} numbers, one per channel, or one"
+                )
+        require_positive("model.net", **{f"pixel_std[{i}]": std for i, std in enumerate(pixel_std)})
         require_flags(
             "model.net", qk_norm=qk_norm, fractional_pos=fractional_pos, grad_checkpointing=grad_checkpointing
         )

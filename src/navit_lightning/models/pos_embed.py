@@ -26,9 +26,14 @@ class FactorizedPosEmbed(nn.Module):
     def check_coords(self, coords: torch.Tensor) -> None:
         """Refuses coordinates past the absolute tables, naming the fix. A device sync on a
         GPU: the LightningModule calls it on the host batch, before the copy."""
-        if not self.fractional and coords.numel() and int(coords.max()) >= self.max_grid:
+        if coords.numel():
+            self.check_side(int(coords.max()) + 1)
+
+    def check_side(self, patches: int) -> None:
+        """Refuses an image side `patches` long past the absolute tables, naming the fix."""
+        if not self.fractional and patches > self.max_grid:
             raise ConfigError(
-                f"an image is {int(coords.max()) + 1} patches long but model.net.max_grid={self.max_grid}: "
+                f"an image is {patches} patches long but model.net.max_grid={self.max_grid}: "
                 f"scale the images to at most {self.max_grid} patches a side (data.max_patches, "
                 "patch_budgets), or train with a larger model.net.max_grid"
             )

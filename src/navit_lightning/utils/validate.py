@@ -345,6 +345,11 @@ def check_attention(backend: str, on_gpu: bool, precision: str, training: bool =
             "model.net.attention=flex cannot train on CPU (torch has no FlexAttention backward there): "
             "use model.net.attention=auto"
         )
+    if backend == "flex" and not on_gpu and precision.startswith("64"):
+        raise ConfigError(
+            f"model.net.attention=flex runs no float64 on CPU (trainer.precision={precision}): "
+            f"use {setting}=auto"
+        )
 
 
 def check_strategy_name(strategy: object) -> None:
