@@ -191,6 +191,20 @@ def shapes_datamodule(project_root: Path, **options) -> PackedImageDataModule:
     )
 
 
+def test_the_longest_training_side_is_at_any_budget_the_policy_draws(tmp_path):
+    """What a fit is checked by against the position tables: a very wide image is longer at a
+    smaller budget (1 x 20 patches at 30, 2 x 18 at data.max_patches=36)."""
+    for label in ("a", "b"):
+        (tmp_path / label).mkdir()
+        for index in range(10):
+            Image.new("RGB", (338, 25), (index * 20, 0, 0)).save(tmp_path / label / f"{index}.png")
+    datamodule = PackedImageDataModule(
+        str(tmp_path), patch_size=16, max_patches=36, min_patches=12, num_workers=0
+    )
+    datamodule.setup("fit")
+    assert datamodule.longest_side("train") == 20 and datamodule.longest_side("val") == 18
+
+
 def test_an_optimizer_step_takes_the_tokens_of_every_rank_and_accumulated_batch(project_root):
     """The effective batch that model.lr_scaling scales the rate to: 4 rows x 64 tokens a
     batch, on 2 ranks, 3 batches accumulated; or on 2 devices of one process."""

@@ -104,6 +104,13 @@ def test_a_token_at_row_y_column_x_gets_row_table_y_plus_column_table_x(
     torch.testing.assert_close(embed(coords, grid), expected, rtol=0, atol=0)
 
 
+def test_one_pixel_mean_and_std_serve_every_channel():
+    """[0.5] passed the check, and the first batch failed with a shape error."""
+    one = PatchEmbed(4, 3, 8, pixel_mean=[0.5], pixel_std=[0.25])
+    each = PatchEmbed(4, 3, 8, pixel_mean=[0.5] * 3, pixel_std=[0.25] * 3)
+    assert torch.equal(one.scale, each.scale) and torch.equal(one.shift, each.shift)
+
+
 @pytest.mark.parametrize(
     ("setting", "message"),
     [

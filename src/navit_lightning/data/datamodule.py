@@ -36,7 +36,7 @@ from navit_lightning.data.index import Manifest, index_folder, manifest_path
 from navit_lightning.data.packing import PackCollate
 from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
 from navit_lightning.data.shards import load_shards, shard_classes
-from navit_lightning.data.transforms import fit_grids
+from navit_lightning.data.transforms import longest_side
 from navit_lightning.data.workers import loader_context, loader_worker_init
 from navit_lightning.errors import ConfigError, DataError, require_counts, require_flags
 
@@ -387,11 +387,12 @@ class PackedImageDataModule(L.LightningDataModule):
         self._loaders.clear()  # their workers end with them
 
     def longest_side(self, split: str, budget: int | None = None) -> int:
-        """The most patches along a side of an image of `split` (set up) at patch `budget`."""
+        """The most patches along a side of an image of `split` (set up) at patch `budget`; of
+        the train split, at any budget its policy draws (data.min_patches..data.max_patches)."""
         sizes = self.datasets[split].images.sizes
-        limit = np.full(len(sizes), self.policy(split, budget).max_patches)
-        grid_h, grid_w = fit_grids(sizes[:, 0], sizes[:, 1], self.patch_size, limit)
-        return int(max(grid_h.max(initial=0), grid_w.max(initial=0)))
+        policy = self.policy(split, budget)
+        budgets = range(policy.min_patches or policy.max_patches, policy.max_patches + 1)
+        return longest_side(sizes[:, 0], sizes[:, 1], self.patch_size, budgets)
 
     def policy(self, split: str, budget: int | None = None) -> SizePolicy:
         """How big `split`'s images are: evaluation images at their native resolution, capped by

@@ -49,9 +49,7 @@ def fit_grids(
     """The (rows, cols) patch grids closest to (images,) images' own sizes, aspect ratio
     kept, with at most max_patches patches and at least one patch per side: (images,) rows
     and (images,) columns. The sampler sizes a whole epoch's images at once with it."""
-    scale = np.minimum(1.0, np.sqrt(max_patches * patch_size**2 / (heights * widths)))
-    grid_h = np.maximum(1, np.rint(heights * scale / patch_size)).astype(np.int64)
-    grid_w = np.maximum(1, np.rint(widths * scale / patch_size)).astype(np.int64)
+    grid_h, grid_w = rounded_grids(heights, widths, patch_size, max_patches)
     over = np.flatnonzero(grid_h * grid_w > max_patches)  # rounding up overshot by a row
     while len(over):
         taller = grid_h[over] >= grid_w[over]
@@ -59,6 +57,34 @@ def fit_grids(
         grid_w[over[~taller]] -= 1
         over = over[grid_h[over] * grid_w[over] > max_patches[over]]
     return grid_h, grid_w
+
+
+def rounded_grids(
+    heights: np.ndarray, widths: np.ndarray, patch_size: int, max_patches: np.ndarray | int
+) -> tuple[np.ndarray, np.ndarray]:
+    """fit_grids before it takes a side down where rounding overshot max_patches: no smaller
+    than its grids, and no smaller at a larger max_patches."""
+    scale = np.minimum(1.0, np.sqrt(max_patches * patch_size**2 / (heights * widths)))
+    grid_h = np.maximum(1, np.rint(heights * scale / patch_size)).astype(np.int64)
+    grid_w = np.maximum(1, np.rint(widths * scale / patch_size)).astype(np.int64)
+    return grid_h, grid_w
+
+
+def longest_side(heights: np.ndarray, widths: np.ndarray, patch_size: int, budgets: range) -> int:
+    """The most patches along a side of any of the images at any of the patch `budgets`: not
+    always at the largest (a 338 x 25 px image is 2 x 18 patches of 16 px at 36, 1 x 20 at
+    30). The smaller budgets are tried only on the images that rounded_grids allows longer."""
+
+    def longest_at(budget: int, images: np.ndarray) -> int:
+        grid_h, grid_w = fit_grids(heights[images], widths[images], patch_size, np.full(len(images), budget))
+        return int(max(grid_h.max(initial=0), grid_w.max(initial=0)))
+
+    longest = longest_at(budgets[-1], np.arange(len(heights)))
+    bound_h, bound_w = rounded_grids(heights, widths, patch_size, budgets[-1])
+    maybe_longer = np.flatnonzero(np.maximum(bound_h, bound_w) > longest)
+    for budget in budgets[:-1] if len(maybe_longer) else ():
+        longest = max(longest, longest_at(budget, maybe_longer))
+    return longest
 
 
 def fit_grid(height: int, width: int, patch_size: int, max_patches: int) -> tuple[int, int]:

@@ -35,7 +35,7 @@ class FactorizedPosEmbed(nn.Module):
             raise ConfigError(
                 f"an image is {patches} patches long but model.net.max_grid={self.max_grid}: "
                 f"scale the images to at most {self.max_grid} patches a side (data.max_patches, "
-                "patch_budgets), or train with a larger model.net.max_grid"
+                "data.min_patches, patch_budgets), or train with a larger model.net.max_grid"
             )
 
     def forward(self, coords: torch.Tensor, token_grid: torch.Tensor) -> torch.Tensor:

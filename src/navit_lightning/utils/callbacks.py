@@ -241,7 +241,7 @@ class UnreadableImageReport(L.Callback):
             self._total(trainer, f"{stage}/{name}") for name in ("unreadable_images", "decoded_images")
         )
         if failed and trainer.is_global_zero:
-            # a log line, which train.log keeps (a Python warning reached the console alone)
+            # a log line: Python shows a warning from one place once, here the first epoch's
             count = f"{failed} image{'s' if failed > 1 else ''}"
             log.warning("%s epoch %d: skipped %s that could not be decoded", stage, epoch, count)
         if failed and not decoded:

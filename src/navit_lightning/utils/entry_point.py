@@ -9,9 +9,10 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from itertools import chain
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TextIO, TypeVar
 
 import lightning as L
 from hydra._internal.utils import get_args_parser
@@ -141,25 +142,33 @@ def tidy_lightning_output() -> None:
 
 
 def warnings_into_the_log_file() -> None:
-    """Show a warning on stderr as Python does, and write it into the run's log file too
+    """Show a warning on the console as Python does, and write it into the run's log file too
     (train.log, eval.log): a skipped image, a budget left out or a setting overruled was
-    missing there, where a finished run is read. Called again for a sweep's next job, whose
-    log file is another."""
-    logging.captureWarnings(True)
-    logger = logging.getLogger("py.warnings")
-    logger.setLevel(logging.WARNING)
-    logger.propagate = False  # the console handler would show it again, on stdout
-    logger.addFilter(without_final_newline)
-    logger.handlers[:] = [
-        logging.StreamHandler(sys.stderr),
-        *(handler for handler in logging.getLogger().handlers if isinstance(handler, logging.FileHandler)),
-    ]
+    missing there, where a finished run is read. Shown by Python's own showwarning, which
+    writes to sys.stderr as it is at the time: Rich's live progress bar swaps it for a proxy
+    that prints above the bar (a handler holding the real stderr wrote into the bar's line)."""
+    shown = warnings.showwarning
+    if getattr(shown, "func", None) is not show_and_log_warning:  # once: sweep jobs, ranks call this
+        warnings.showwarning = partial(show_and_log_warning, shown)
 
 
-def without_final_newline(record: logging.LogRecord) -> bool:
-    """A captured warning's text ends with a newline, to which a handler adds its own."""
-    record.msg = str(record.msg).rstrip("\n")
-    return True
+def show_and_log_warning(
+    show: Callable[..., None],
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """`show` the warning, then write it to the root logger's log files, those of the job
+    that runs now (in a sweep, each job's own)."""
+    show(message, category, filename, lineno, file, line)
+    text = warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n")
+    record = logging.LogRecord("py.warnings", logging.WARNING, filename, lineno, text, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def drop_lightning_adverts(record: logging.LogRecord) -> bool:
