@@ -10,7 +10,7 @@ import torch
 
 from navit_lightning.bench.data_loading import measure
 from navit_lightning.errors import ConfigError
-from tests.conftest import TINY_RUN
+from tests.conftest import DDP_TWO_RANKS, TINY_RUN
 
 
 def test_data_loading_benchmark_reports_every_figure(project_root, monkeypatch):
@@ -20,6 +20,14 @@ def test_data_loading_benchmark_reports_every_figure(project_root, monkeypatch):
     assert figures["images_per_batch_mean"] > 1
     for name in ("loader_images_per_s", "loader_tokens_per_s", "train_images_per_s", "train_tokens_per_s"):
         assert figures[name] > 0, name
+
+
+def test_data_loading_benchmark_refuses_several_ranks(project_root, monkeypatch):
+    """It measured one process's loader with the workers of all the node's cores, where each
+    of train.py's ranks takes its share: a loader that kept up 2.7x too well."""
+    monkeypatch.setenv("PROJECT_ROOT", str(project_root))
+    with pytest.raises(ConfigError, match="runs one process's loader"):
+        measure([*TINY_RUN, *DDP_TWO_RANKS], batches=3)
 
 
 def test_attention_benchmark_measures_every_layout_on_the_same_images(tmp_path, monkeypatch):
@@ -264,10 +272,21 @@ def test_the_step_benchmark_refuses_more_steps_than_run_between_validations(proj
 
     monkeypatch.setenv("PROJECT_ROOT", str(project_root))
     between = r"need more than (\d+) training batches between validations, and these settings give (\d+)"
-    for overrides, steps, allowed in (([], 10, 8), (["trainer.limit_train_batches=5"], 4, 5)):
+    for overrides, steps, allowed in (
+        ([], 10, 8),
+        (["trainer.limit_train_batches=5"], 4, 5),
+        # shares of the epoch, and what the debug configs set: each timed a validation or an
+        # epoch's end within its steps (debug=fdr failed with an IndexError)
+        (["trainer.limit_train_batches=0.5"], 4, 4),
+        (["trainer.val_check_interval=0.25"], 2, 2),
+        (["debug=overfit"], 2, 2),
+        (["debug=fdr"], 2, 1),
+    ):
         with pytest.raises(ConfigError, match=between) as refused:
             step.measure([*TINY_RUN, *overrides], steps=steps, warmup=1, ablate=False, sync_steps=0)
-        assert re.search(between, str(refused.value)).groups() == (str(steps + 1), str(allowed))
+        assert re.search(between, str(refused.value)).groups() == (str(steps + 1), str(allowed)), overrides
+    with pytest.raises(ConfigError, match=r"a timed trainer.val_check_interval \(every 10 s\) validates"):
+        step.measure([*TINY_RUN, "trainer.val_check_interval=00:00:00:10"], steps=2, warmup=1, ablate=False)
 
 
 @pytest.mark.parametrize("pool", ["attention", "mean"])
@@ -468,8 +487,10 @@ def test_the_step_clock_averages_the_steps_after_the_warmup():
     assert clock.mean_ms() == pytest.approx(1000 * (timed[-1] - timed[0]) / 2)
 
 
-def test_the_bare_step_leaves_its_warmup_out_and_clips_gradients(monkeypatch):
-    """A warm-up step of 10 s and steps of 1 s on a stubbed clock: a mean of 1 s."""
+@pytest.mark.parametrize("accumulated", [1, 2])
+def test_the_bare_step_leaves_its_warmup_out_and_clips_gradients(monkeypatch, accumulated):
+    """A warm-up step of 10 s and steps of 1 s on a stubbed clock: a mean of 1 s. The
+    gradients clipped at each optimizer step, every `accumulated` batches, as Lightning does."""
     import contextlib
 
     from navit_lightning.bench import step
@@ -495,16 +516,19 @@ def test_the_bare_step_leaves_its_warmup_out_and_clips_gradients(monkeypatch):
     cfg = SimpleNamespace(
         optimizer={"_target_": "torch.optim.SGD", "_partial_": True, "lr": 0.1},
         scheduler={"_target_": "torch.optim.lr_scheduler.StepLR", "_partial_": True},
-        trainer=SimpleNamespace(gradient_clip_val=1.0),
+        model={},
     )
     trainer = SimpleNamespace(
         strategy=SimpleNamespace(root_device=torch.device("cpu")),
         precision_plugin=SimpleNamespace(forward_context=contextlib.nullcontext),
+        accumulate_grad_batches=accumulated,
+        gradient_clip_val=1.0,
+        gradient_clip_algorithm="norm",
     )
     batch = SimpleNamespace(num_images=1, image_ids=torch.zeros(1), labels=torch.zeros(1, dtype=torch.long))
     warmup, steps = 1, 3
     assert step.bare_step_ms(Model(), trainer, cfg, [batch] * 10, warmup, steps) == pytest.approx(1000.0)
-    assert clipped == [cfg.trainer.gradient_clip_val] * (warmup + steps)
+    assert clipped == [trainer.gradient_clip_val] * ((warmup + steps) // accumulated)
 
 
 def _deterministic_algorithms() -> tuple[bool, bool]:
@@ -516,8 +540,6 @@ def _stub_step_runs(monkeypatch, world_size=1, bare=(10.0, 99.0, 30.0)):
     turns deterministic algorithms on (warn only), as trainer.deterministic=warn does; each
     Lightning run records its overrides and turns them off; the bare steps (before, with the
     loader, after) give `bare` ms and record whether deterministic algorithms were on."""
-    from omegaconf import OmegaConf
-
     from navit_lightning.bench import step
 
     runs, deterministic = [], []
@@ -528,7 +550,18 @@ def _stub_step_runs(monkeypatch, world_size=1, bare=(10.0, 99.0, 30.0)):
 
     def build(cfg, callbacks=()):
         torch.use_deterministic_algorithms(True, warn_only=True)
-        return datamodule, None, SimpleNamespace(loggers=[], callbacks=[], world_size=world_size)
+        return (
+            datamodule,
+            None,
+            SimpleNamespace(
+                loggers=[],
+                callbacks=[],
+                world_size=world_size,
+                limit_train_batches=1.0,
+                val_check_interval=1.0,
+                _val_check_time_interval=None,
+            ),
+        )
 
     def lightning_step(overrides, warmup, steps, sync_steps=0):
         runs.append(overrides)
@@ -539,7 +572,6 @@ def _stub_step_runs(monkeypatch, world_size=1, bare=(10.0, 99.0, 30.0)):
         deterministic.append(_deterministic_algorithms())
         return bare[len(deterministic) - 1]
 
-    monkeypatch.setattr(step, "train_config", lambda overrides: OmegaConf.create({"trainer": {}}))
     monkeypatch.setattr(step, "build", build)
     monkeypatch.setattr(step, "lightning_step", lightning_step)
     monkeypatch.setattr(step, "bare_step_ms", bare_step_ms)
@@ -563,6 +595,28 @@ def test_the_step_benchmark_ablates_each_suspect_with_its_own_overrides(monkeypa
     every_suspect = [o for taken_away in step.SUSPECTS.values() for o in taken_away]
     expected = [overrides, *([*overrides, *taken_away] for taken_away in step.SUSPECTS.values())]
     assert runs == [*expected, [*overrides, *every_suspect]]
+
+
+def test_the_step_benchmark_ablates_only_the_suspects_the_config_has(
+    monkeypatch, deterministic_setting, capsys
+):
+    """callbacks=none has no progress bar to take away: Hydra refused the override, after the
+    whole measurement, and no figure was printed."""
+    from navit_lightning.bench import step
+
+    runs, _ = _stub_step_runs(monkeypatch)
+    overrides = ["callbacks=none"]
+    step.measure(overrides, steps=2, warmup=1, ablate=True, sync_steps=0)
+    kept = [step.SUSPECTS["loader worker process"], step.SUSPECTS["deterministic algorithms"]]
+    assert runs == [
+        overrides,
+        *([*overrides, *taken_away] for taken_away in kept),
+        [*overrides, *kept[0], *kept[1]],
+    ]
+    assert (
+        "not in this config: learning-rate monitor, logger, per-batch reports, progress bar"
+        in capsys.readouterr().out
+    )
 
 
 def test_the_bare_step_after_the_lightning_runs_has_the_determinism_of_the_one_before(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 
@@ -17,3 +18,11 @@ def train_config(overrides: list[str]) -> DictConfig:
     os.environ.setdefault("PROJECT_ROOT", str(Path(CONFIG_DIR).parent))
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return compose("train", overrides=overrides)
+
+
+def count(text: str) -> int:
+    """argparse's type for a flag that counts steps, images or rounds: a whole number above 0."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give 1 or more")
+    return value

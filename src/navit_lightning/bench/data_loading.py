@@ -22,14 +22,23 @@ from pathlib import Path
 import hydra
 from omegaconf import open_dict
 
-from navit_lightning.bench import train_config
+from navit_lightning.bench import count, train_config
 from navit_lightning.bench.step import bare_step_ms
 from navit_lightning.data.datamodule import PackedImageDataModule
+from navit_lightning.errors import ConfigError, DataError
 from navit_lightning.utils.entry_point import tidy_lightning_output
 
 
 def measure(overrides: list[str], batches: int) -> dict[str, float]:
     cfg = train_config(overrides)
+    trainer = hydra.utils.instantiate(
+        cfg.trainer, default_root_dir=None, logger=False, callbacks=[], enable_checkpointing=False
+    )
+    if trainer.world_size > 1:  # a rank's loader has fewer workers: data.num_workers=null shares the cores
+        raise ConfigError(
+            "the data benchmark runs one process's loader: pass trainer.devices=1 and strategy=auto, "
+            "and the data.num_workers of one rank"
+        )
     datamodule: PackedImageDataModule = hydra.utils.instantiate(cfg.data)
     datamodule.prepare_data()
     datamodule.setup("fit")
@@ -58,9 +67,6 @@ def measure(overrides: list[str], batches: int) -> dict[str, float]:
     model = hydra.utils.instantiate(cfg.model)
     # train.py's step on its device and precision (bench.step's bare step); the first batch
     # warms up the allocator
-    trainer = hydra.utils.instantiate(
-        cfg.trainer, default_root_dir=None, logger=False, callbacks=[], enable_checkpointing=False
-    )
     step_seconds = bare_step_ms(model, trainer, cfg, collected, warmup=1, steps=len(collected) - 1) / 1e3
     measured = collected[1:]
     mean_images = sum(b.num_images for b in measured) / len(measured)
@@ -86,11 +92,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("overrides", nargs="*", help="train.py config overrides")
-    parser.add_argument("--batches", type=int, default=30, help="batches to time (default 30)")
+    parser.add_argument("--batches", type=count, default=30, help="batches to time (default 30)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args()
     tidy_lightning_output()
-    f = measure(args.overrides, args.batches)
+    try:
+        f = measure(args.overrides, args.batches)
+    except (ConfigError, DataError) as error:  # settings it cannot time, data it cannot read
+        parser.error(str(error))
     print(
         f"plan:       {f['rows']} rows x {f['row_len']} tokens, fill {f['fill']:.1%} "
         f"({f['fill_but_last']:.1%} without the epoch's last batch), "

@@ -4,10 +4,11 @@ Lightning, measured in one run.
     python -m navit_lightning.bench.step [train.py overrides] [--steps N] [--warmup N]
         [--ablate] [--sync-steps N] [--json FILE]
 
-bare:      forward, loss, backward, gradient clipping, AdamW and the LR schedule of the
-           config's model on batches collected from its loader beforehand (no loader
-           running), under the trainer's precision and `trainer.deterministic`; timed before
-           and after the Lightning runs, so that a drift of the machine shows.
+bare:      forward, loss and backward of the config's model (compiled if model.compile), and
+           every trainer.accumulate_grad_batches batches its gradient clipping (if any),
+           optimizer and LR schedule, on batches collected from its loader beforehand (no
+           loader running), under the trainer's precision and `trainer.deterministic`; timed
+           before and after the Lightning runs, so that a drift of the machine shows.
 bare with the loader: the same loop over the config's DataLoader, its workers running: what
            any training loop pays for decoding images on the same cores.
 lightning: train.py's own datamodule, model, Trainer, callbacks and logger (`train.build`),
@@ -15,7 +16,7 @@ lightning: train.py's own datamodule, model, Trainer, callbacks and logger (`tra
            logging included. Run it in a terminal, as users run train.py: the progress bar
            draws differently into a pipe.
 --ablate:  the Lightning step again with one suspect at a time taken away, each against the
-           bare step: what each one costs.
+           bare step: what each one costs (those the config has).
 syncs:     on a GPU, the Lightning run's device syncs a step by call site, counted over
            --sync-steps steps after the timed ones.
 Every figure is a mean over --steps steps after --warmup steps.
@@ -33,7 +34,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -41,16 +42,15 @@ import hydra
 import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from omegaconf import OmegaConf
 
 from navit_lightning.batch import PackedBatch, image_index
-from navit_lightning.bench import train_config
-from navit_lightning.errors import ConfigError
+from navit_lightning.bench import count, train_config
+from navit_lightning.errors import ConfigError, DataError
 from navit_lightning.lit_module import NaViTClassifier, image_loss, parameter_groups
 from navit_lightning.train import build
 from navit_lightning.utils.callbacks import KeepFreedHostMemory
 from navit_lightning.utils.entry_point import tidy_lightning_output
-
-SHOW_WARNING = warnings.showwarning
 
 # The suspects of a Lightning step's overhead, each as the overrides that take it away.
 SUSPECTS: dict[str, list[str]] = {
@@ -59,7 +59,7 @@ SUSPECTS: dict[str, list[str]] = {
     "learning-rate monitor": ["callbacks.learning_rate_monitor=null"],
     "per-batch reports": ["callbacks.rank_step_report=null", "callbacks.unreadable_image_report=null"],
     # the learning-rate monitor refuses to run without a logger
-    "TensorBoard logger": ["~logger", "callbacks.learning_rate_monitor=null"],
+    "logger": ["~logger", "callbacks.learning_rate_monitor=null"],
     "loader worker process": ["data.num_workers=0"],
     "deterministic algorithms": ["trainer.deterministic=false"],
 }
@@ -74,22 +74,23 @@ class StepClock(L.Callback):
         self.warmup, self.steps = warmup, steps
         self.starts: list[float] = []
         self.sync_sites: collections.Counter[str] = collections.Counter()
+        self.show_warning: Callable[..., None] | None = None  # while syncs are counted
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.starts.append(time.perf_counter())
         if len(self.starts) == self.warmup + self.steps + 2 and trainer.strategy.root_device.type == "cuda":
             torch.cuda.set_sync_debug_mode("warn")
             warnings.simplefilter("always")
-            warnings.showwarning = self._count_sync
+            self.show_warning, warnings.showwarning = warnings.showwarning, self._count_sync
 
     def on_train_end(self, *args: Any) -> None:
-        if torch.cuda.is_available():
+        if self.show_warning is not None:
             torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = SHOW_WARNING
+            warnings.showwarning, self.show_warning = self.show_warning, None
 
     def _count_sync(self, message: Warning | str, *args: Any, **kwargs: Any) -> None:
         if "synchronizing CUDA operation" not in str(message):
-            SHOW_WARNING(message, *args, **kwargs)
+            self.show_warning(message, *args, **kwargs)
             return
         # the innermost frame of this project or Lightning: where to look
         ours = [
@@ -137,20 +138,30 @@ def bare_step_ms(
     """Mean time of the same training step written out with no framework, from one batch's
     arrival to the next one's (the wait for the loader included, when it is one)."""
     model = copy.deepcopy(model).to(trainer.strategy.root_device).train()
+    if cfg.model.get("compile"):
+        model.net.compile()  # as the LightningModule's setup does for a fit
     optimizer = hydra.utils.instantiate(cfg.optimizer)(params=parameter_groups(model))
     scheduler = hydra.utils.instantiate(cfg.scheduler)(optimizer, warmup + steps)
+    accumulated, clip = trainer.accumulate_grad_batches, trainer.gradient_clip_val
     times, start = [], time.perf_counter()
-    for batch in itertools.islice(batches, warmup + steps):
+    for index_in_run, batch in enumerate(itertools.islice(batches, warmup + steps)):
         num_images = batch.num_images  # on the host, as the LightningModule counts it
         batch = move_data_to_device(batch, trainer.strategy.root_device)
         index = image_index(batch, num_images)
         with trainer.precision_plugin.forward_context():
             loss = image_loss(model(batch, index), batch.labels.flatten()[index])
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.gradient_clip_val or float("inf"))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        if (index_in_run + 1) % accumulated == 0:
+            if clip:
+                clip_gradients = (
+                    torch.nn.utils.clip_grad_value_
+                    if trainer.gradient_clip_algorithm == "value"
+                    else torch.nn.utils.clip_grad_norm_
+                )
+                clip_gradients(model.parameters(), clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
         if batch.image_ids.is_cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -181,10 +192,7 @@ def measure(
     datamodule.prepare_data()
     datamodule.setup("fit")
     loader = datamodule.train_dataloader()
-    between_validations = len(loader)
-    for limit in (cfg.trainer.get("limit_train_batches"), cfg.trainer.get("val_check_interval")):
-        if isinstance(limit, int):  # debug=limit, or a validation every so many batches
-            between_validations = min(between_validations, limit)
+    between_validations = batches_between_validations(trainer, len(loader))
     if between_validations <= warmup + steps:  # the Lightning run's clocked steps would take one in
         raise ConfigError(
             f"--warmup {warmup} and --steps {steps} need more than {warmup + steps} training batches "
@@ -210,14 +218,50 @@ def measure(
     for site, per_step in clock.syncs_per_step().items():
         figures[f"syncs {site}"] = per_step
     if ablate:
-        for suspect, taken_away in SUSPECTS.items():
+        suspects = suspects_in(cfg)
+        if len(suspects) < len(SUSPECTS):
+            print(
+                f"step benchmark: not in this config: {', '.join(sorted(SUSPECTS.keys() - suspects.keys()))}"
+            )
+        for suspect, taken_away in suspects.items():
             record(f"without {suspect}", lightning_step([*overrides, *taken_away], warmup, steps).mean_ms())
-        every_suspect = [o for taken_away in SUSPECTS.values() for o in taken_away]
+        every_suspect = [o for taken_away in suspects.values() for o in taken_away]
         record("without all of them", lightning_step([*overrides, *every_suspect], warmup, steps).mean_ms())
     torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])  # as at the start
     record("bare_after", bare_step_ms(model, trainer, cfg, batches, warmup, steps))
     figures["bare"] = (figures["bare_before"] + figures["bare_after"]) / 2
     return figures
+
+
+def batches_between_validations(trainer: L.Trainer, loader_batches: int) -> int:
+    """The training batches from an epoch's start to its first validation or its end, as
+    Lightning counts them: trainer.limit_train_batches (set by debug=limit, debug=fdr and
+    debug=overfit too) and trainer.val_check_interval, each a count or a share."""
+    if trainer._val_check_time_interval is not None:
+        raise ConfigError(
+            f"a timed trainer.val_check_interval (every {trainer._val_check_time_interval:g} s) validates "
+            "by the clock, maybe within the timed steps: give a count of batches, or leave it out"
+        )
+
+    def counted(limit: int | float, batches: int) -> int:
+        return min(limit, batches) if isinstance(limit, int) else int(limit * batches)
+
+    epoch = counted(trainer.limit_train_batches, loader_batches)
+    return counted(trainer.val_check_interval, epoch)
+
+
+def suspects_in(cfg: Any) -> dict[str, list[str]]:
+    """The SUSPECTS the config has to take away (callbacks=none has no progress bar,
+    logger=null no logger): Hydra refused to override what is not there."""
+    absent = object()
+
+    def there(override: str) -> bool:
+        key, _, value = override.lstrip("~").partition("=")
+        found = OmegaConf.select(cfg, key, default=absent)
+        # a callback or a logger is there when set; a setting (data.num_workers) when the config has it
+        return found is not absent and (found is not None or value not in ("", "null"))
+
+    return {suspect: taken_away for suspect, taken_away in SUSPECTS.items() if all(map(there, taken_away))}
 
 
 def report(figures: dict[str, float]) -> str:
@@ -247,16 +291,17 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("overrides", nargs="*", help="train.py config overrides")
-    parser.add_argument("--steps", type=int, default=60, help="steps timed (default 60)")
-    parser.add_argument("--warmup", type=int, default=5, help="steps before timing (default 5)")
-    parser.add_argument("--sync-steps", type=int, default=20, help="GPU steps syncs are counted in")
+    parser.add_argument("--steps", type=count, default=60, help="steps timed (default 60)")
+    # at least one: the first batch draws the pictures of its epoch, which the bare loop does not
+    parser.add_argument("--warmup", type=count, default=5, help="steps before timing (default 5)")
+    parser.add_argument("--sync-steps", type=count, default=20, help="GPU steps syncs are counted in")
     parser.add_argument("--ablate", action="store_true", help="time the step without each suspect")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args()
     tidy_lightning_output()
     try:
         figures = measure(args.overrides, args.steps, args.warmup, args.ablate, args.sync_steps)
-    except ConfigError as error:  # settings the benchmark cannot time
+    except (ConfigError, DataError) as error:  # settings the benchmark cannot time, data it cannot read
         parser.error(str(error))
     print(report(figures))
     if args.json:
