@@ -1,8 +1,10 @@
 """The benchmarks run (their figures are for people, not asserted as speeds)."""
 
+import importlib
 import importlib.util
 import math
 import re
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -560,6 +562,7 @@ def _stub_step_runs(monkeypatch, world_size=1, bare=(10.0, 99.0, 30.0)):
                 limit_train_batches=1.0,
                 val_check_interval=1.0,
                 _val_check_time_interval=None,
+                strategy=SimpleNamespace(root_device=torch.device("cpu")),
             ),
         )
 
@@ -776,3 +779,27 @@ def test_the_lightning_run_clocks_every_timed_step_and_the_one_after(project_roo
     warmup, steps, sync_steps = 1, 2, 1
     clock = step.lightning_step([*TINY_RUN], warmup, steps, sync_steps)
     assert len(clock.starts) == warmup + steps + 1 + sync_steps
+
+
+@pytest.mark.parametrize(
+    ("bench", "flags", "refusal"),
+    [
+        ("step", ["--warmup", "0"], "argument --warmup: 0: give 1 or more"),
+        ("decoders", ["--rounds", "0"], "argument --rounds: 0: give 1 or more"),
+        ("planning", ["--ranks", "0"], "argument --ranks: 0: give 1 or more"),
+        ("attention", ["--backends", "flash"], "argument --backends: invalid choice: 'flash'"),
+        ("attention", ["--sides", "16", "4"], "--sides 16 4: give the smallest side first"),
+        ("decoders", ["--folder", "/no/such/folder"], "--folder /no/such/folder is not a folder"),
+    ],
+)
+def test_a_benchmark_refuses_a_flag_it_cannot_run_with_in_one_line(
+    monkeypatch, capsys, bench, flags, refusal
+):
+    """Each failed with a traceback (a StatisticsError, a ZeroDivisionError, a ConfigError), some
+    after a whole measurement."""
+    module = importlib.import_module(f"navit_lightning.bench.{bench}")
+    monkeypatch.setattr(sys, "argv", [bench, *flags])
+    with pytest.raises(SystemExit) as exited:
+        module.main()
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exited.value.code == 2 and refusal in error, error

@@ -20,7 +20,7 @@ def train_config(overrides: list[str]) -> DictConfig:
         return compose("train", overrides=overrides)
 
 
-def count(text: str) -> int:
+def at_least_one(text: str) -> int:
     """argparse's type for a flag that counts steps, images or rounds: a whole number above 0."""
     value = int(text)
     if value < 1:

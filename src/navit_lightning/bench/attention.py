@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from navit_lightning.batch import PackedBatch, PackedShape
-from navit_lightning.bench import peers, train_config
+from navit_lightning.bench import at_least_one, peers, train_config
 from navit_lightning.bench.profile import (
     UNACCOUNTED,
     StepProfile,
@@ -62,7 +62,7 @@ from navit_lightning.bench.profile import (
 )
 from navit_lightning.data.packing import ImageSample, first_fit_decreasing, pack
 from navit_lightning.models import NaViT
-from navit_lightning.models.attention import SegmentsBackend, varlen_available
+from navit_lightning.models.attention import BACKENDS, SegmentsBackend, varlen_available
 from navit_lightning.utils.host_memory import keep_freed_memory
 
 ROW_LENGTHS = (256, 512, 1024, 2048)
@@ -566,13 +566,20 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="config overrides for every model, e.g. model.net.depth=6",
     )
-    parser.add_argument("--backends", nargs="+", default=["sdpa", "segments", "flex", "varlen"])
-    parser.add_argument("--peers", nargs="*", default=["vit-pytorch", "timm"], help="other NaViTs to time")
-    parser.add_argument("--tokens", type=int, default=4096, help="real-token budget of every step")
-    parser.add_argument("--sides", type=int, nargs=2, default=(4, 16), help="image sides in patches, min max")
-    parser.add_argument("--row-len", type=int, default=512, help="row length of the packed runs")
     parser.add_argument(
-        "--steps", type=int, default=5, help="timed steps per figure, taken in interleaved rounds (median)"
+        "--backends", nargs="+", choices=sorted(BACKENDS), default=["sdpa", "segments", "flex", "varlen"]
+    )
+    parser.add_argument("--peers", nargs="*", default=["vit-pytorch", "timm"], help="other NaViTs to time")
+    parser.add_argument("--tokens", type=at_least_one, default=4096, help="real-token budget of every step")
+    parser.add_argument(
+        "--sides", type=at_least_one, nargs=2, default=(4, 16), help="image sides in patches, min max"
+    )
+    parser.add_argument("--row-len", type=at_least_one, default=512, help="row length of the packed runs")
+    parser.add_argument(
+        "--steps",
+        type=at_least_one,
+        default=5,
+        help="timed steps per figure, taken in interleaved rounds (median)",
     )
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile runs")
     parser.add_argument(
@@ -611,6 +618,8 @@ def main() -> None:
         if (b != "varlen" or varlen_available(device)) and (b != "flex" or device.type == "cuda")
     ]
     skipped = sorted(set(args.backends) - set(usable))
+    if args.sides[0] > args.sides[1]:
+        parser.error(f"--sides {args.sides[0]} {args.sides[1]}: give the smallest side first")
     grids = workload(args.tokens, args.sides)
     if not grids:
         parser.error(f"--tokens {args.tokens} holds no image of --sides {args.sides[0]} {args.sides[1]}")

@@ -22,7 +22,7 @@ from pathlib import Path
 import hydra
 from omegaconf import open_dict
 
-from navit_lightning.bench import count, train_config
+from navit_lightning.bench import at_least_one, train_config
 from navit_lightning.bench.step import bare_step_ms
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.errors import ConfigError, DataError
@@ -61,6 +61,11 @@ def measure(overrides: list[str], batches: int) -> dict[str, float]:
             break
     loader_seconds = time.perf_counter() - start
     del iterator
+    if len(collected) < 2:  # the first is the workers' start-up
+        raise ConfigError(
+            f"the training epoch holds {len(collected)} batch: the figures need 2 or more, from more "
+            "images or fewer data.rows"
+        )
 
     with open_dict(cfg):
         cfg.model.num_classes = datamodule.num_classes
@@ -92,7 +97,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("overrides", nargs="*", help="train.py config overrides")
-    parser.add_argument("--batches", type=count, default=30, help="batches to time (default 30)")
+    parser.add_argument("--batches", type=at_least_one, default=30, help="batches to time (default 30)")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args()
     tidy_lightning_output()

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from navit_lightning.bench import at_least_one
 from navit_lightning.data.folder import image_files_under
 from navit_lightning.data.packing import ImageSample
 from navit_lightning.data.transforms import ORIENTATION_TAG, JpegDecoder, image_to_sample
@@ -221,17 +222,25 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--folder", type=Path, help="JPEG files to decode (default: write photo-like ones)")
-    parser.add_argument("--count", type=int, default=300, help="photo-like files to write, or to take")
+    parser.add_argument(
+        "--count", type=at_least_one, default=300, help="photo-like files to write, or to take"
+    )
     parser.add_argument(
         "--max-side",
         type=int,
         help="photo-like files no longer than this (500: ImageNet-like; or a resized copy)",
     )
-    parser.add_argument("--budgets", type=int, nargs="+", default=[36, 256], help="max patches per image")
+    parser.add_argument(
+        "--budgets", type=at_least_one, nargs="+", default=[36, 256], help="max patches per image"
+    )
     parser.add_argument("--decoders", nargs="+", choices=DECODERS, default=list(DECODERS))
-    parser.add_argument("--rounds", type=int, default=5, help="timed passes over the folder per decoder")
+    parser.add_argument(
+        "--rounds", type=at_least_one, default=5, help="timed passes over the folder per decoder"
+    )
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args()
+    if args.folder and not args.folder.is_dir():
+        parser.error(f"--folder {args.folder} is not a folder: name one of JPEG files, or leave it out")
 
     torch.set_num_threads(1)  # as in a DataLoader worker
     decoders, missing = available_decoders(args.decoders)

@@ -33,6 +33,7 @@ import numpy as np
 from PIL import Image
 
 from navit_lightning import CONFIG_DIR
+from navit_lightning.bench import at_least_one
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.data.index import (
     IMAGE_SUFFIXES,
@@ -148,8 +149,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--images", type=int, default=200_000)
-    parser.add_argument("--folder", type=Path, default=None, help="kept; default: a temporary folder")
+    parser.add_argument("--images", type=at_least_one, default=200_000)
+    parser.add_argument(
+        "--folder",
+        type=Path,
+        help="images to index, --images of them written there if it is missing, and kept",
+    )
     parser.add_argument("--ddp", action="store_true")
     parser.add_argument("--formats", type=int, default=0, metavar="N")
     args = parser.parse_args()

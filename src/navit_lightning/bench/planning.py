@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from navit_lightning.batch import PackedShape
+from navit_lightning.bench import at_least_one
 from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy, _EpochPlan, plan_batches
 
 SHAPE = PackedShape(rows=14, row_len=144, max_images=32)
@@ -134,8 +135,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--images", type=int, nargs="+", default=[1_000_000, 10_000_000])
-    parser.add_argument("--ranks", type=int, default=8)
+    parser.add_argument("--images", type=at_least_one, nargs="+", default=[1_000_000, 10_000_000])
+    parser.add_argument("--ranks", type=at_least_one, default=8)
     args = parser.parse_args()
     rows = {}
     for count in args.images:

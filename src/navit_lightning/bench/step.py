@@ -45,7 +45,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from omegaconf import OmegaConf
 
 from navit_lightning.batch import PackedBatch, image_index
-from navit_lightning.bench import count, train_config
+from navit_lightning.bench import at_least_one, train_config
 from navit_lightning.errors import ConfigError, DataError
 from navit_lightning.lit_module import NaViTClassifier, image_loss, parameter_groups
 from navit_lightning.train import build
@@ -213,7 +213,8 @@ def measure(
     record("bare_with_loader", bare_step_ms(model, trainer, cfg, loader, warmup, steps))
     del loader
     datamodule.teardown("fit")  # its workers end before the Lightning runs
-    clock = lightning_step(overrides, warmup, steps, sync_steps)
+    on_gpu = trainer.strategy.root_device.type == "cuda"
+    clock = lightning_step(overrides, warmup, steps, sync_steps if on_gpu else 0)  # syncs: CUDA's
     record("lightning", clock.mean_ms())
     for site, per_step in clock.syncs_per_step().items():
         figures[f"syncs {site}"] = per_step
@@ -291,10 +292,10 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("overrides", nargs="*", help="train.py config overrides")
-    parser.add_argument("--steps", type=count, default=60, help="steps timed (default 60)")
+    parser.add_argument("--steps", type=at_least_one, default=60, help="steps timed (default 60)")
     # at least one: the first batch draws the pictures of its epoch, which the bare loop does not
-    parser.add_argument("--warmup", type=count, default=5, help="steps before timing (default 5)")
-    parser.add_argument("--sync-steps", type=count, default=20, help="GPU steps syncs are counted in")
+    parser.add_argument("--warmup", type=at_least_one, default=5, help="steps before timing (default 5)")
+    parser.add_argument("--sync-steps", type=at_least_one, default=20, help="GPU steps syncs are counted in")
     parser.add_argument("--ablate", action="store_true", help="time the step without each suspect")
     parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
     args = parser.parse_args()
