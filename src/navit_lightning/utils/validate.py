@@ -166,7 +166,7 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
                 f"callbacks.{logging_callbacks[0]} needs a logger and the config has none (~logger, "
                 f"debug=fdr): add callbacks.{logging_callbacks[0]}=null, or keep logger=tensorboard"
             )
-        ckpt_path = cfg.get("ckpt_path")
+        ckpt_path, fitting = cfg.get("ckpt_path"), cfg.get("train", True)
         # Lightning skips the fit, and the run exited 0, testing its untrained weights (a run
         # from a checkpoint's weights may have nothing left to train: its epoch is past them)
         from_weights = ckpt_path is not None or cfg.get("init_from") is not None
@@ -175,19 +175,19 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
             for name in ("limit_train_batches", "max_epochs", "max_steps")
             if trainer.get(name) == 0 and (name == "limit_train_batches" or not from_weights)
         ]
-        if cfg.get("train", True) and untrained:
+        if fitting and untrained:
             raise ConfigError(
                 f"{untrained[0]} trains no batch (Lightning skips the fit): leave it out, or test a "
                 f"checkpoint with train=false ckpt_path={CKPT_PATH_EXAMPLE} (or eval.py)"
             )
-        if not cfg.get("train", True) and ckpt_path is None:
+        if not fitting and ckpt_path is None:
             raise ConfigError(
                 f"train=false tests a checkpoint, the network's weights would be its initial ones: "
                 f"give ckpt_path={CKPT_PATH_EXAMPLE} (or use eval.py)"
             )
         if ckpt_path is not None and ckpt_path not in LIGHTNING_CKPT_NAMES:
             read_checkpoint(ckpt_path)
-        if cfg.get("train", True) and trainer.get("fast_dev_run") and ckpt_path is not None:
+        if fitting and trainer.get("fast_dev_run") and ckpt_path is not None:
             # Lightning's fast_dev_run ends the fit at epoch 1 and at step fast_dev_run: a
             # checkpoint past them was refused naming trainer.max_epochs, never set
             weights = CKPT_PATH_EXAMPLE if ckpt_path in LIGHTNING_CKPT_NAMES else ckpt_path
