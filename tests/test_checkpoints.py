@@ -12,11 +12,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import hydra
+import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loops.progress import _BatchProgress
 from omegaconf import OmegaConf
 
@@ -25,6 +27,7 @@ from navit_lightning.errors import ConfigError, DataError, OutputError
 from navit_lightning.train import resume_from
 from navit_lightning.utils.checkpoints import (
     AtomicCheckpointIO,
+    BestCheckpoint,
     ResumeCheckpoint,
     check_resumable,
     check_same_classes,
@@ -874,3 +877,59 @@ def test_a_stop_before_this_processs_first_batch_saves_nothing_and_claims_no_sav
     with caplog.at_level(logging.INFO):
         resume.on_exception(trainer, None, KeyboardInterrupt())
     assert "stopped at step 8 (KeyboardInterrupt): saved run/checkpoints/last.ckpt" in caplog.text
+
+
+class ScriptedValAcc(BoringModel):
+    """val/acc 0.9 and 0.5 at the first epoch's two validations, 0.6 and 0.7 at the second's."""
+
+    scores = (0.9, 0.5, 0.6, 0.7)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.validations = 0
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/acc", self.scores[self.validations])
+
+    def on_validation_epoch_end(self) -> None:
+        self.validations += 1
+
+
+def test_a_best_checkpoint_is_kept_through_two_validations_an_epoch_under_save_top_k(tmp_path):
+    """Without versions (enable_version_counter=false, which a resume's stale best asked
+    for) the 0.5 overwrote the 0.9 under epoch_000.ckpt, and top-k then deleted the file."""
+    best = BestCheckpoint(
+        dirpath=tmp_path, filename="epoch_{epoch:03d}", monitor="val/acc", mode="max", save_top_k=2,
+        auto_insert_metric_name=False,
+    )  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, max_epochs=2,
+        limit_train_batches=4, val_check_interval=2, limit_val_batches=1, num_sanity_val_steps=0,
+        callbacks=[best],
+    )  # fmt: skip
+    trainer.fit(ScriptedValAcc())
+    assert float(best.best_model_score) == pytest.approx(0.9)
+    kept = {Path(path).name: float(score) for path, score in best.best_k_models.items()}
+    assert kept == pytest.approx({"epoch_000.ckpt": 0.9, "epoch_001.ckpt": 0.7})
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(kept)
+
+
+def test_a_best_checkpoint_takes_a_version_only_against_the_ones_it_keeps(tmp_path):
+    """A stopped run's file of that name, which a resume's callback does not keep, is
+    written over: Lightning wrote a -v1 beside it, and the run took the -v1 for its best."""
+    best = BestCheckpoint(
+        dirpath=tmp_path,
+        filename="epoch_{epoch:03d}",
+        monitor="val/acc",
+        save_top_k=2,
+        auto_insert_metric_name=False,
+    )
+    candidates = {"epoch": torch.tensor(0), "step": torch.tensor(3), "val/acc": torch.tensor(0.5)}
+    first = str(tmp_path / "epoch_000.ckpt")
+    Path(first).touch()
+    assert best._get_metric_interpolated_filepath_name(candidates, None) == first
+    best.best_k_models[first] = torch.tensor(0.9)
+    assert best._get_metric_interpolated_filepath_name(candidates, None) == str(
+        tmp_path / "epoch_000-v1.ckpt"
+    )
+    assert best._get_metric_interpolated_filepath_name(candidates, None, del_filepath=first) == first

@@ -74,6 +74,25 @@ def free_space(path: Path) -> str:
         return "the space left there unknown"
 
 
+class BestCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint, whose file names take a version (-v1) only against the
+    checkpoints it keeps: a resume from a last.ckpt saved before a best checkpoint writes that
+    one again under its own name, where Lightning wrote a -v1 beside the stopped run's stale
+    file (and the run took the -v1 for its best); two validations of one epoch under
+    save_top_k>1 still keep two files (without a version the second overwrote the first,
+    which top-k then deleted: the best checkpoint lost)."""
+
+    def _get_metric_interpolated_filepath_name(
+        self, monitor_candidates: dict[str, torch.Tensor], trainer: L.Trainer, del_filepath: str | None = None
+    ) -> str:
+        filepath = self.format_checkpoint_name(monitor_candidates)
+        version = self.STARTING_VERSION
+        while filepath in self.best_k_models and filepath != del_filepath:
+            filepath = self.format_checkpoint_name(monitor_candidates, ver=version)
+            version += 1
+        return filepath
+
+
 class ResumeCheckpoint(ModelCheckpoint):
     """`last.ckpt`, for resuming: every `every_n_train_steps` steps or `train_time_interval`
     (not both, Lightning's rule), at the end of every training epoch, and when fit stops on
