@@ -227,7 +227,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--max-side",
-        type=int,
+        type=at_least_one,
         help="photo-like files no longer than this (500: ImageNet-like; or a resized copy)",
     )
     parser.add_argument(

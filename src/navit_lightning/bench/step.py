@@ -29,6 +29,7 @@ import collections
 import copy
 import itertools
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -75,11 +76,13 @@ class StepClock(L.Callback):
         self.starts: list[float] = []
         self.sync_sites: collections.Counter[str] = collections.Counter()
         self.show_warning: Callable[..., None] | None = None  # while syncs are counted
+        self.warning_filters: list[Any] = []
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.starts.append(time.perf_counter())
         if len(self.starts) == self.warmup + self.steps + 2 and trainer.strategy.root_device.type == "cuda":
             torch.cuda.set_sync_debug_mode("warn")
+            self.warning_filters = list(warnings.filters)
             warnings.simplefilter("always")
             self.show_warning, warnings.showwarning = warnings.showwarning, self._count_sync
 
@@ -87,6 +90,7 @@ class StepClock(L.Callback):
         if self.show_warning is not None:
             torch.cuda.set_sync_debug_mode("default")
             warnings.showwarning, self.show_warning = self.show_warning, None
+            warnings.filters[:] = self.warning_filters
 
     def _count_sync(self, message: Warning | str, *args: Any, **kwargs: Any) -> None:
         if "synchronizing CUDA operation" not in str(message):
@@ -116,13 +120,11 @@ def lightning_step(overrides: list[str], warmup: int, steps: int, sync_steps: in
     `sync_steps` more with their device syncs counted (on a GPU)."""
     clock = StepClock(warmup, steps)
     with tempfile.TemporaryDirectory() as output_dir:
-        run = [
-            *overrides,
-            f"paths.output_dir={output_dir}",
-            f"trainer.max_steps={warmup + steps + 1 + sync_steps}",
-            "trainer.max_epochs=-1",  # as many epochs as the steps take
-        ]
-        datamodule, model, trainer = build(train_config(run), [clock])
+        cfg = train_config([*overrides, f"paths.output_dir={output_dir}", "trainer.max_epochs=-1"])
+        # the clock counts batches, trainer.max_steps optimizer steps
+        batches = warmup + steps + 1 + sync_steps
+        cfg.trainer.max_steps = math.ceil(batches / cfg.trainer.get("accumulate_grad_batches", 1))
+        datamodule, model, trainer = build(cfg, [clock])
         trainer.fit(model, datamodule=datamodule)
     return clock
 
@@ -137,7 +139,10 @@ def bare_step_ms(
 ) -> float:
     """Mean time of the same training step written out with no framework, from one batch's
     arrival to the next one's (the wait for the loader included, when it is one)."""
-    model = copy.deepcopy(model).to(trainer.strategy.root_device).train()
+    # in the trainer's precision (bf16-true: the weights in bfloat16, as Lightning converts them)
+    model = (
+        trainer.precision_plugin.convert_module(copy.deepcopy(model)).to(trainer.strategy.root_device).train()
+    )
     if cfg.model.get("compile"):
         model.net.compile()  # as the LightningModule's setup does for a fit
     optimizer = hydra.utils.instantiate(cfg.optimizer)(params=parameter_groups(model))
@@ -193,11 +198,13 @@ def measure(
     datamodule.setup("fit")
     loader = datamodule.train_dataloader()
     between_validations = batches_between_validations(trainer, len(loader))
-    if between_validations <= warmup + steps:  # the Lightning run's clocked steps would take one in
+    on_gpu = trainer.strategy.root_device.type == "cuda"
+    sync_steps = sync_steps if on_gpu else 0  # CUDA's syncs
+    if between_validations <= warmup + steps + sync_steps:  # the Lightning run would take one in
         raise ConfigError(
-            f"--warmup {warmup} and --steps {steps} need more than {warmup + steps} training batches "
-            f"between validations, and these settings give {between_validations}: lower them, or give "
-            "more images"
+            f"--warmup {warmup} and --steps {steps} need more than {warmup + steps + sync_steps} training "
+            f"batches between validations, and these settings give {between_validations}: lower them, "
+            "or give more images"
         )
     batches = list(itertools.islice(loader, warmup + steps))
     del loader
@@ -208,22 +215,21 @@ def measure(
         figures[name] = ms
         print(f"step benchmark: {name} {ms:.1f} ms", flush=True)  # amid Lightning's output
 
+    if cfg.model.get("compile"):  # compiled here, untimed: the later runs find it compiled
+        bare_step_ms(model, trainer, cfg, batches, warmup, steps)
     record("bare_before", bare_step_ms(model, trainer, cfg, batches, warmup, steps))
     loader = datamodule.train_dataloader()  # the same loader, iterated from the epoch's start again
     record("bare_with_loader", bare_step_ms(model, trainer, cfg, loader, warmup, steps))
     del loader
     datamodule.teardown("fit")  # its workers end before the Lightning runs
-    on_gpu = trainer.strategy.root_device.type == "cuda"
-    clock = lightning_step(overrides, warmup, steps, sync_steps if on_gpu else 0)  # syncs: CUDA's
+    clock = lightning_step(overrides, warmup, steps, sync_steps)
     record("lightning", clock.mean_ms())
     for site, per_step in clock.syncs_per_step().items():
         figures[f"syncs {site}"] = per_step
     if ablate:
         suspects = suspects_in(cfg)
-        if len(suspects) < len(SUSPECTS):
-            print(
-                f"step benchmark: not in this config: {', '.join(sorted(SUSPECTS.keys() - suspects.keys()))}"
-            )
+        if untimed := sorted(SUSPECTS.keys() - suspects.keys()):
+            print(f"step benchmark: nothing to take away in this config: {', '.join(untimed)}")
         for suspect, taken_away in suspects.items():
             record(f"without {suspect}", lightning_step([*overrides, *taken_away], warmup, steps).mean_ms())
         every_suspect = [o for taken_away in suspects.values() for o in taken_away]
@@ -252,17 +258,24 @@ def batches_between_validations(trainer: L.Trainer, loader_batches: int) -> int:
 
 
 def suspects_in(cfg: Any) -> dict[str, list[str]]:
-    """The SUSPECTS the config has to take away (callbacks=none has no progress bar,
-    logger=null no logger): Hydra refused to override what is not there."""
+    """The SUSPECTS the config has, each with those of its overrides that take something away:
+    Hydra refused to set what is not there (callbacks=none has no progress bar, nor the
+    learning-rate monitor the logger's removal takes along), and a setting the config gives
+    already (data.num_workers=0) took a whole Lightning run to change nothing."""
     absent = object()
 
-    def there(override: str) -> bool:
+    def takes_away(override: str) -> bool:
         key, _, value = override.lstrip("~").partition("=")
         found = OmegaConf.select(cfg, key, default=absent)
-        # a callback or a logger is there when set; a setting (data.num_workers) when the config has it
-        return found is not absent and (found is not None or value not in ("", "null"))
+        if value in ("", "null"):  # a callback or a logger: there when set
+            return found is not absent and found is not None
+        return found is not absent and str(found).lower() != value
 
-    return {suspect: taken_away for suspect, taken_away in SUSPECTS.items() if all(map(there, taken_away))}
+    return {
+        suspect: [override for override in taken_away if takes_away(override)]
+        for suspect, taken_away in SUSPECTS.items()
+        if takes_away(taken_away[0])
+    }
 
 
 def report(figures: dict[str, float]) -> str:
