@@ -1,5 +1,6 @@
 """train.py and eval.py run end to end in subprocesses, as a user types them."""
 
+import contextlib
 import logging
 import os
 import re
@@ -11,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import EarlyStopping
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from navit_lightning.errors import ConfigError
 from navit_lightning.utils.callbacks import StopEarly
-from navit_lightning.utils.entry_point import tidy_lightning_output
+from navit_lightning.utils.entry_point import files_from_the_command_folder, tidy_lightning_output
 from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, TINY_SET, logged_scalars, run_folder
 from tests.test_configs import compose_train
 from tests.test_lit_module import bare_trainer, make_batch, make_model
@@ -77,6 +79,22 @@ def test_the_log_file_writes_a_file_name_that_is_not_utf8_escaped(tmp_path):
     for log in ("train.log", "opened.log"):
         # as the console writes it (sys.stderr's backslashreplace)
         assert (tmp_path / log).read_text() == "caf\\udce9.jpg: not a readable image\n"
+
+
+@pytest.mark.parametrize(
+    ("settings", "from_checkpoint", "refusal"),
+    [
+        ({"input": "", "ckpt_path": "run.ckpt"}, True, "input= names no file"),  # predicted the cwd
+        ({"input": None, "ckpt_path": "run.ckpt"}, True, "input=null names no file"),  # Path(None)
+        ({"ckpt_path": None}, True, "ckpt_path=null names no file"),
+        ({"ckpt_path": ""}, False, "ckpt_path= names no file"),
+        ({"ckpt_path": None, "init_from": None}, False, None),  # train.py from fresh weights
+    ],
+)
+def test_an_empty_path_or_a_null_one_the_command_needs_is_refused(settings, from_checkpoint, refusal):
+    cfg = OmegaConf.create(settings)
+    with pytest.raises(ConfigError, match=re.escape(refusal)) if refusal else contextlib.nullcontext():
+        files_from_the_command_folder(cfg, from_checkpoint)
 
 
 def test_train_then_eval_reports_accuracy(run_entry_point):

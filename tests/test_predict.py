@@ -209,11 +209,15 @@ def test_the_csv_lists_at_most_every_class_most_probable_first_in_input_order(tm
         tmp_path / "predictions.csv", [Path("a.png"), Path("b.png")], ["x", "y", "z"], 5
     )
     trainer = SimpleNamespace(
-        global_rank=0, world_size=1, is_global_zero=True, strategy=SimpleNamespace(barrier=lambda: None)
+        global_rank=0,
+        world_size=1,
+        is_global_zero=True,
+        strategy=one_process(barrier=lambda: None),
+        predict_dataloaders=None,
     )
     writer.on_predict_start(trainer, None)
     probabilities = torch.tensor([[0.2, 0.5, 0.3], [0.7, 0.1, 0.2]])
-    writer.write_on_batch_end(trainer, None, (torch.tensor([1, 0]), probabilities))
+    writer.write_on_batch_end(trainer, None, (torch.tensor([1, 0]), probabilities), None, None, 0)
     writer.on_predict_end(trainer, None)
     with open(tmp_path / "predictions.csv", newline="") as file:
         rows = list(csv.reader(file))
@@ -224,13 +228,20 @@ def test_the_csv_lists_at_most_every_class_most_probable_first_in_input_order(tm
     ]
 
 
+def one_process(**methods) -> SimpleNamespace:
+    """A strategy whose collectives return what this process gives, and `methods`."""
+    return SimpleNamespace(
+        broadcast=lambda value: value, reduce_boolean_decision=lambda decision, all: decision, **methods
+    )
+
+
 def fake_trainer(rank: int, world_size: int, barriers: list[int], batches: int = 1) -> SimpleNamespace:
     """A trainer of `world_size` ranks whose loader has `batches` batches, one predicted."""
     return SimpleNamespace(
         global_rank=rank,
         world_size=world_size,
         is_global_zero=rank == 0,
-        strategy=SimpleNamespace(barrier=lambda: barriers.append(rank)),
+        strategy=one_process(barrier=lambda: barriers.append(rank)),
         num_predict_batches=[1],
         predict_dataloaders=[None] * batches,
     )
@@ -244,7 +255,7 @@ def test_files_a_batch_limit_left_out_are_not_called_unreadable(tmp_path, caplog
     writer = PredictionWriter(tmp_path / "predictions.csv", [Path("a.png"), Path("b.png")], ["x", "y"], 1)
     trainer = fake_trainer(0, 1, [], batches)
     writer.on_predict_start(trainer, None)
-    writer.write_on_batch_end(trainer, None, (torch.tensor([0]), torch.tensor([[0.9, 0.1]])))
+    writer.write_on_batch_end(trainer, None, (torch.tensor([0]), torch.tensor([[0.9, 0.1]])), None, None, 0)
     with caplog.at_level("INFO"):
         writer.on_predict_end(trainer, None)
     assert f"1 image(s) predicted, 1 file(s) {said}" in caplog.text
@@ -260,7 +271,7 @@ def test_two_ranks_parts_merge_in_input_order_and_are_removed(tmp_path):
         trainer = fake_trainer(rank, 2, barriers)
         writer.on_predict_start(trainer, None)
         probabilities = torch.tensor([[0.9, 0.1]] * len(numbers))
-        writer.write_on_batch_end(trainer, None, (torch.tensor(numbers), probabilities))
+        writer.write_on_batch_end(trainer, None, (torch.tensor(numbers), probabilities), None, None, 0)
         writer.on_predict_end(trainer, None)
     assert sorted(barriers) == [0, 1]
     assert [p.name for p in tmp_path.iterdir()] == ["predictions.csv"]  # no part left
@@ -281,6 +292,37 @@ def test_a_failed_or_empty_prediction_leaves_no_csv_and_no_part(tmp_path):
 
     failing = PredictionWriter(tmp_path / "predictions.csv", paths, ["x", "y"], 1)
     failing.on_predict_start(trainer, None)
-    failing.write_on_batch_end(trainer, None, (torch.tensor([0]), torch.tensor([[0.9, 0.1]])))
+    failing.write_on_batch_end(trainer, None, (torch.tensor([0]), torch.tensor([[0.9, 0.1]])), None, None, 0)
     failing.on_exception(trainer, None, RuntimeError("out of memory"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_ranks_that_listed_other_files_are_refused_together(tmp_path):
+    """Each ddp rank lists the input itself: a folder that changed in between had images
+    predicted twice or never (exit 0). Every rank takes the same decision: no rank waits."""
+    writer = PredictionWriter(tmp_path / "predictions.csv", [tmp_path / "a.png"], ["a", "b"], top_k=1)
+    decisions = []
+
+    def reduce_boolean_decision(decision, all):
+        decisions.append(decision)
+        return decision
+
+    strategy = SimpleNamespace(
+        broadcast=lambda digest: "rank 0's other list", reduce_boolean_decision=reduce_boolean_decision
+    )
+    with pytest.raises(DataError, match="the ranks listed different files under input="):
+        writer.on_predict_start(SimpleNamespace(strategy=strategy, global_rank=1), None)
+    assert decisions == [False] and not list(tmp_path.iterdir())
+
+
+def test_the_writer_leaves_no_batch_numbers_piling_up(tmp_path):
+    """Lightning's predict loop keeps every batch's image numbers: 190 bytes an image."""
+    writer = PredictionWriter(tmp_path / "predictions.csv", [tmp_path / "a.png"], ["a", "b"], top_k=1)
+    writer._part = io.StringIO()
+    sampler = SimpleNamespace(seen_batch_indices=[[0]])
+    trainer = SimpleNamespace(predict_dataloaders=SimpleNamespace(batch_sampler=sampler))
+    writer.write_on_batch_end(trainer, None, (torch.tensor([0]), torch.tensor([[0.25, 0.75]])), [0], None, 0)
+    assert (
+        sampler.seen_batch_indices == [()]
+        and writer._part.getvalue() == f"0,{tmp_path / 'a.png'},b,0.750000\r\n"
+    )

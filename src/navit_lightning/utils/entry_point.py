@@ -93,17 +93,25 @@ def run_task(task: Callable[[DictConfig], T], cfg: DictConfig, from_checkpoint: 
         # PackedBatchSampler drops nothing: every image is in one of its batches
         warnings.filterwarnings("ignore", message="You are using a custom batch sampler")
     with refuse_bad_input():
-        files_from_the_command_folder(cfg)
+        files_from_the_command_folder(cfg, from_checkpoint)
         return task(cfg)
 
 
-def files_from_the_command_folder(cfg: DictConfig) -> None:
+def files_from_the_command_folder(cfg: DictConfig, from_checkpoint: bool = False) -> None:
     """The files a command names (ckpt_path, init_from, predict.py's input) made absolute from
     the folder it ran in: under hydra.job.chdir=true, where the job runs in its run folder,
-    a relative one was refused as missing (data.root is made absolute where it is built)."""
+    a relative one was refused as missing (data.root is made absolute where it is built).
+    An empty one is refused (`input=$UNSET` predicted every image under the working folder),
+    and a null one that the command needs (a traceback of Path(None))."""
     for key in ("ckpt_path", "init_from", "input"):
-        if key not in cfg or OmegaConf.is_missing(cfg, key) or cfg[key] is None:
+        if key not in cfg or OmegaConf.is_missing(cfg, key):
             continue
+        needed = key == "input" or (key == "ckpt_path" and from_checkpoint)
+        if cfg[key] is None and not needed:
+            continue
+        if cfg[key] is None or not str(cfg[key]).strip():
+            given = "null" if cfg[key] is None else ""
+            raise ConfigError(f"{key}={given} names no file: give {key}=<path>")
         if key == "ckpt_path" and cfg[key] in LIGHTNING_CKPT_NAMES:  # ckpt_path=last: Lightning's
             continue
         cfg[key] = absolute_path(cfg[key])
