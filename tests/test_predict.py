@@ -13,7 +13,7 @@ from PIL import Image
 
 from navit_lightning.data.folder import image_files_under
 from navit_lightning.data.shapes import CLASSES
-from navit_lightning.errors import DataError
+from navit_lightning.errors import DataError, OutputError
 from navit_lightning.predict import PredictionWriter
 from tests.conftest import DDP_TWO_RANKS, TINY_RUN, TINY_SET, run_folder
 from tests.test_bad_input import make_messy_folder
@@ -320,9 +320,37 @@ def test_the_writer_leaves_no_batch_numbers_piling_up(tmp_path):
     writer = PredictionWriter(tmp_path / "predictions.csv", [tmp_path / "a.png"], ["a", "b"], top_k=1)
     writer._part = io.StringIO()
     sampler = SimpleNamespace(seen_batch_indices=[[0]])
-    trainer = SimpleNamespace(predict_dataloaders=SimpleNamespace(batch_sampler=sampler))
+    trainer = SimpleNamespace(global_rank=0, predict_dataloaders=SimpleNamespace(batch_sampler=sampler))
     writer.write_on_batch_end(trainer, None, (torch.tensor([0]), torch.tensor([[0.25, 0.75]])), [0], None, 0)
     assert (
         sampler.seen_batch_indices == [()]
         and writer._part.getvalue() == f"0,{tmp_path / 'a.png'},b,0.750000\r\n"
     )
+
+
+class FullDisk(io.StringIO):
+    """A part file on a full disk: its buffered rows fail to be written, at a row or at close."""
+
+    def write(self, text: str) -> int:
+        raise OSError(28, "No space left on device")
+
+    def close(self) -> None:
+        raise OSError(28, "No space left on device")
+
+
+def test_a_full_disk_is_one_line_that_names_the_file_and_leaves_no_part(tmp_path):
+    """Three chained OSError tracebacks, and the part file stayed (its close raised before the
+    unlink)."""
+    writer = PredictionWriter(tmp_path / "predictions.csv", [Path("a.png")], ["x", "y"], 1)
+    trainer = fake_trainer(0, 1, [])
+    writer.on_predict_start(trainer, None)
+    part = writer._part_path(0)
+    writer._part.close()
+    writer._part = FullDisk()
+    prediction = (torch.tensor([0]), torch.tensor([[0.9, 0.1]]))
+    with pytest.raises(
+        OutputError, match=rf"^{re.escape(str(part))} cannot be written \(No space left on device; "
+    ):
+        writer.write_on_batch_end(trainer, None, prediction, None, None, 0)
+    writer.on_exception(trainer, None, OutputError("full"))
+    assert not part.exists() and list(tmp_path.iterdir()) == []

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import os
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +22,13 @@ from omegaconf import DictConfig, OmegaConf
 from navit_lightning import CONFIG_DIR
 from navit_lightning.data.folder import IMAGE_SUFFIXES, image_files_under
 from navit_lightning.data.index import SURROGATES, other_files
-from navit_lightning.errors import ConfigError, DataError, is_count
+from navit_lightning.errors import ConfigError, DataError, OutputError, is_count
 from navit_lightning.resolution import budgets_past_the_tables, past_the_tables
 from navit_lightning.utils.checkpoints import (
     build_from_checkpoint,
     data_for,
     data_keys_given,
+    free_space,
     load_training_run,
     numbered_classes,
 )
@@ -103,9 +106,14 @@ class PredictionWriter(BasePredictionWriter):
         numbers, probabilities = (tensor.cpu() for tensor in prediction)
         top = probabilities.topk(self.top_k, dim=-1)
         writer = csv.writer(self._part)
-        for number, values, classes in zip(numbers, top.values.tolist(), top.indices.tolist(), strict=True):
-            ranked = [(self.class_names[c], f"{v:.6f}") for c, v in zip(classes, values, strict=True)]
-            writer.writerow([int(number), self.paths[number], *(item for pair in ranked for item in pair)])
+        with written(self._part_path(trainer.global_rank)):
+            for number, values, classes in zip(
+                numbers, top.values.tolist(), top.indices.tolist(), strict=True
+            ):
+                ranked = [(self.class_names[c], f"{v:.6f}") for c, v in zip(classes, values, strict=True)]
+                writer.writerow(
+                    [int(number), self.paths[number], *(item for pair in ranked for item in pair)]
+                )
         # Lightning's predict loop keeps every batch's image numbers (for return_predictions),
         # which this writer does without: 190 bytes an image, 1.9 GB a rank for 10 million.
         # It reads a batch's by its index before this call: the list keeps its length.
@@ -114,15 +122,21 @@ class PredictionWriter(BasePredictionWriter):
         if seen:
             seen[batch_idx] = ()
 
+    def _remove_parts(self, ranks: int) -> None:
+        for rank in range(ranks):
+            self._part_path(rank).unlink()
+
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
         if self._part is not None and not self._part.closed:  # a failed run leaves no part behind
-            self._part.close()
+            with suppress(OSError):  # its buffered rows may not fit (a full disk)
+                self._part.close()
             self._part_path(trainer.global_rank).unlink(missing_ok=True)
 
     def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._part.close()
+        with written(self._part_path(trainer.global_rank)):
+            self._part.close()
         trainer.strategy.barrier()  # every rank's part is complete
         if not trainer.is_global_zero:
             return
@@ -130,14 +144,21 @@ class PredictionWriter(BasePredictionWriter):
         for rank in range(trainer.world_size):
             with open(self._part_path(rank), newline="", errors=SURROGATES) as part:
                 rows.extend(csv.reader(part))
-            self._part_path(rank).unlink()
         if not rows:
+            self._remove_parts(trainer.world_size)
             raise DataError(f"none of the {len(self.paths)} input file(s) could be decoded (named above)")
         rows.sort(key=lambda row: int(row[0]))
-        with open(self.path, "w", newline="", errors=SURROGATES) as file:
-            writer = csv.writer(file)
-            writer.writerow(self.header())
-            writer.writerows(row[1:] for row in rows)
+        # whole or not there: the parts go once the CSV is in place
+        partial = self.path.with_name(f".{self.path.name}.partial")
+        try:
+            with written(self.path), open(partial, "w", newline="", errors=SURROGATES) as file:
+                writer = csv.writer(file)
+                writer.writerow(self.header())
+                writer.writerows(row[1:] for row in rows)
+            os.replace(partial, self.path)
+        finally:
+            partial.unlink(missing_ok=True)
+        self._remove_parts(trainer.world_size)
         said = f"{self.path}: {len(rows)} image(s) predicted"
         if left_out := len(self.paths) - len(rows):
             # a limit on the batches (trainer.limit_predict_batches, fast_dev_run) reads fewer:
@@ -146,6 +167,19 @@ class PredictionWriter(BasePredictionWriter):
             why = "by trainer.limit_predict_batches or fast_dev_run, and" if limited else "as"
             said += f", {left_out} file(s) left out {why} unreadable (named above)"
         rank_zero_info(said)
+
+
+@contextmanager
+def written(path: Path) -> Iterator[None]:
+    """Writes to `path` inside the block fail with one line that names it (a full disk gave
+    three chained tracebacks)."""
+    try:
+        yield
+    except OSError as error:
+        raise OutputError(
+            f"{path} cannot be written ({error.strerror or error}; {free_space(path)}): free space "
+            "there, or predict into another hydra.run.dir"
+        ) from None
 
 
 def predict(cfg: DictConfig) -> Path:
