@@ -32,7 +32,15 @@ def test_data_loading_benchmark_refuses_several_ranks(project_root, monkeypatch)
         measure([*TINY_RUN, *DDP_TWO_RANKS], batches=3)
 
 
-def test_attention_benchmark_measures_every_layout_on_the_same_images(tmp_path, monkeypatch):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refused where there is no GPU")
+def test_data_loading_benchmark_refuses_what_train_py_refuses(project_root, monkeypatch):
+    """trainer.accelerator=gpu on a machine without one: Lightning's traceback."""
+    monkeypatch.setenv("PROJECT_ROOT", str(project_root))
+    with pytest.raises(ConfigError, match=r"trainer\.accelerator=gpu"):
+        measure([*TINY_RUN, "trainer.accelerator=gpu"], batches=3)
+
+
+def test_attention_benchmark_measures_every_layout_on_the_same_images(tmp_path, monkeypatch, capsys):
     import json
     import sys
 
@@ -41,9 +49,11 @@ def test_attention_benchmark_measures_every_layout_on_the_same_images(tmp_path, 
     out = tmp_path / "bench.json"
     argv = ["--models", "navit_tiny", "--tokens", "512", "--row-len", "256", "--steps", "1", "--no-compile"]
     backends = ["--backends", "sdpa", "segments", "--peers", "vit-pytorch", "--profile"]
-    memory = ["--grad-checkpointing", "--memory"]
+    memory = ["--grad-checkpointing", "--memory", "--largest", "segments"]
     monkeypatch.setattr(sys, "argv", ["bench", *argv, *backends, *memory, "--json", str(out)])
     attention.main()
+    if not torch.cuda.is_available():  # --largest was left out without a word
+        assert "skipped here: --largest (CUDA only)" in capsys.readouterr().err
     report = json.loads(out.read_text())
     results = report["results"]
     assert [(r["layout"], r["backend"], r["row_len"]) for r in results][:5] == [
@@ -791,9 +801,9 @@ def test_the_lightning_run_clocks_every_timed_step_and_the_one_after(project_roo
 @pytest.mark.parametrize(
     ("bench", "flags", "refusal"),
     [
-        ("step", ["--warmup", "0"], "argument --warmup: 0: give 1 or more"),
-        ("decoders", ["--rounds", "0"], "argument --rounds: 0: give 1 or more"),
-        ("planning", ["--ranks", "0"], "argument --ranks: 0: give 1 or more"),
+        ("step", ["--warmup", "0"], "argument --warmup: 0: give a whole number, 1 or more"),
+        ("decoders", ["--rounds", "0"], "argument --rounds: 0: give a whole number, 1 or more"),
+        ("planning", ["--ranks", "two"], "argument --ranks: two: give a whole number, 1 or more"),
         ("attention", ["--backends", "flash"], "argument --backends: invalid choice: 'flash'"),
         ("attention", ["--sides", "16", "4"], "--sides 16 4: give the smallest side first"),
         ("decoders", ["--folder", "/no/such/folder"], "--folder /no/such/folder is not a folder"),

@@ -22,7 +22,10 @@ def train_config(overrides: list[str]) -> DictConfig:
 
 def at_least_one(text: str) -> int:
     """argparse's type for a flag that counts steps, images or rounds: a whole number above 0."""
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:  # argparse's own line: "invalid at_least_one value"
+        value = 0
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: give 1 or more")
+        raise argparse.ArgumentTypeError(f"{text}: give a whole number, 1 or more")
     return value

@@ -618,6 +618,8 @@ def main() -> None:
         if (b != "varlen" or varlen_available(device)) and (b != "flex" or device.type == "cuda")
     ]
     skipped = sorted(set(args.backends) - set(usable))
+    if args.largest and device.type != "cuda":  # it doubles a batch until CUDA runs out: a host swaps first
+        skipped.append("--largest (CUDA only)")
     if args.sides[0] > args.sides[1]:
         parser.error(f"--sides {args.sides[0]} {args.sides[1]}: give the smallest side first")
     grids = workload(args.tokens, args.sides)

@@ -27,10 +27,12 @@ from navit_lightning.bench.step import bare_step_ms
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.errors import ConfigError, DataError
 from navit_lightning.utils.entry_point import tidy_lightning_output
+from navit_lightning.utils.validate import check_launch
 
 
 def measure(overrides: list[str], batches: int) -> dict[str, float]:
     cfg = train_config(overrides)
+    check_launch(cfg)  # train.py's refusals: trainer.accelerator=gpu without one was a traceback
     trainer = hydra.utils.instantiate(
         cfg.trainer, default_root_dir=None, logger=False, callbacks=[], enable_checkpointing=False
     )
