@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
+import torch
 from hydra.core.hydra_config import HydraConfig
 
 from navit_lightning.data import shapes
@@ -89,6 +91,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def on_two_gloo_ranks(rank_does: Callable[..., Any], *args: Any) -> dict[int, Any]:
+    """What `rank_does(rank, *args)` returns on each rank of a 2-rank gloo group of forked
+    processes (torch is imported already: ~1 s a process, not ~10), or its exception's repr."""
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    port = free_port()
+    ranks = [
+        context.Process(target=_gloo_rank, args=(rank, port, results, rank_does, args)) for rank in (0, 1)
+    ]
+    for process in ranks:
+        process.start()
+    try:
+        return dict(results.get(timeout=60) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.join(timeout=10)
+            process.kill()
+
+
+def _gloo_rank(rank: int, port: int, results: Any, rank_does: Callable[..., Any], args: tuple) -> None:
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank
+    )
+    try:
+        results.put((rank, rank_does(rank, *args)))
+    except Exception as error:
+        results.put((rank, repr(error)))
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def logged_scalars(events: Path) -> dict[str, list[tuple[int, float]]]:

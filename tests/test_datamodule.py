@@ -202,7 +202,12 @@ def test_the_longest_training_side_is_at_any_budget_the_policy_draws(tmp_path):
         str(tmp_path), patch_size=16, max_patches=36, min_patches=12, num_workers=0
     )
     datamodule.setup("fit")
-    assert datamodule.longest_side("train") == 20 and datamodule.longest_side("val") == 18
+    (train, train_image), (val, val_image) = (datamodule.longest_side(split) for split in ("train", "val"))
+    assert (
+        train == 20
+        and val == 18
+        and Path(train_image).parent.parent == Path(val_image).parent.parent == tmp_path
+    )
 
 
 def test_an_optimizer_step_takes_the_tokens_of_every_rank_and_accumulated_batch(project_root):

@@ -1,7 +1,6 @@
 """A multi-process run that breaks the collective rules, or gets a signal while stuck,
 ends: with one line naming the rank and the hook, and no process left behind."""
 
-import multiprocessing
 import os
 import re
 import signal
@@ -12,7 +11,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch.distributed
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from navit_lightning.strategies.ddp import _JobRankObserver
@@ -26,7 +24,7 @@ from navit_lightning.utils.shutdown import (
     descendants,
     requeue_when_asked,
 )
-from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, free_port, run_whole
+from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, free_port, on_two_gloo_ranks, run_whole
 
 pytestmark = pytest.mark.slow
 
@@ -206,11 +204,8 @@ RANK_REQUESTS = [(STOP, STOP), (REQUEUE, STOP), (NOTHING, STOP), (NOTHING, NOTHI
 AGREED = [STOP, REQUEUE, STOP, NOTHING]
 
 
-def stop_together(rank: int, port: int, results) -> None:
-    """One rank of a 2-rank gloo group: StopTogetherOnSigterm's decision for each of RANK_REQUESTS."""
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank
-    )
+def stop_together(rank: int) -> list[str]:
+    """StopTogetherOnSigterm's decision on `rank` of a 2-rank group for each of RANK_REQUESTS."""
     trainer = SimpleNamespace(
         world_size=2, accumulate_grad_batches=1, strategy=SimpleNamespace(collective_timeout_s=30)
     )
@@ -230,27 +225,14 @@ def stop_together(rank: int, port: int, results) -> None:
         except SIGTERMException:
             decisions.append(STOP)
     callback.teardown(trainer, None, "fit")
-    torch.distributed.destroy_process_group()
-    results.put((rank, decisions))
+    return decisions
 
 
 def test_ranks_signalled_alike_stop_alike_on_the_strongest_request():
     """scancel (and torchrun, forwarding SIGTERM) signals every rank: all of them asked to
     stop must stop, not requeue (a sum of the requests said REQUEUE at 2 ranks, and nothing
     at 3); a requeue and a stop requeue."""
-    context = multiprocessing.get_context("fork")  # torch is imported already: ~1 s, not ~10
-    results = context.Queue()
-    port = free_port()
-    ranks = [context.Process(target=stop_together, args=(rank, port, results)) for rank in (0, 1)]
-    for process in ranks:
-        process.start()
-    try:
-        decided = dict(results.get(timeout=60) for _ in ranks)
-    finally:
-        for process in ranks:
-            process.join(timeout=10)
-            process.kill()
-    assert decided == {0: AGREED, 1: AGREED}
+    assert on_two_gloo_ranks(stop_together) == {0: AGREED, 1: AGREED}
 
 
 @pytest.mark.parametrize("in_sweep", [False, True])

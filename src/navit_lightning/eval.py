@@ -20,7 +20,6 @@ from navit_lightning.resolution import (
     accuracy_line,
     budgets_past_the_tables,
     counting,
-    past_the_tables,
     report,
 )
 from navit_lightning.utils.callbacks import UnreadableImageReport
@@ -79,8 +78,9 @@ def scores(
         too_long = budgets_past_the_tables(list(cfg.patch_budgets), datamodule, model.net, cfg.split)
         if too_long:
             first = next(iter(too_long))
-            image = past_the_tables(f"an image of the {cfg.split} split", too_long[first], model.net)
-            raise ConfigError(f"patch_budgets: at {first} {image}: leave out {', '.join(map(str, too_long))}")
+            raise ConfigError(
+                f"patch_budgets: at {first} {too_long[first]}: leave out {', '.join(map(str, too_long))}"
+            )
         with explain_collective_failure(trainer):
             results = accuracy_across_budgets(
                 trainer, model, datamodule, list(cfg.patch_budgets), cfg.split, cfg.ckpt_path

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
+import hydra
 import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
+from omegaconf import OmegaConf
 from torch import nn
 from torchmetrics import MaxMetric, Metric
 from torchmetrics.classification import MulticlassConfusionMatrix
@@ -18,6 +21,7 @@ from torchmetrics.classification import MulticlassConfusionMatrix
 from navit_lightning.batch import IGNORE_LABEL, PackedBatch, check_layout, image_index
 from navit_lightning.errors import ConfigError, require_flags
 from navit_lightning.models import NaViT, build_head
+from navit_lightning.utils.checkpoints import numbered_classes, read_checkpoint, run_class_names
 from navit_lightning.utils.schedules import check_lr_scaling, lr_scale
 
 # What a resumed optimizer keeps from its checkpoint: its parameters, and the rates its
@@ -160,6 +164,8 @@ class NaViTClassifier(L.LightningModule):
         self.net = net
         self.head = build_head(head, net.num_features, num_classes)
         self.num_classes = num_classes
+        # by label; load_from_checkpoint takes those the checkpoint stores
+        self.class_names = numbered_classes(num_classes)
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.compile = compile
@@ -189,6 +195,28 @@ class NaViTClassifier(L.LightningModule):
         self._saved_schedule: dict | None = None
         self._resumed_at: ResumePoint | None = None
 
+    @classmethod
+    def load_from_checkpoint(  # type: ignore[override]
+        cls,
+        checkpoint_path: str | Path,
+        map_location: str | torch.device | None = None,
+        strict: bool = True,
+        **settings: Any,
+    ) -> NaViTClassifier:
+        """The model a checkpoint of train.py holds, from Python (a notebook, a service), in
+        eval mode. Lightning's own method builds from saved hyperparameters, which train.py does
+        not save (the network and the optimizer are objects Hydra builds): this one builds from
+        the training config the checkpoint stores, with `settings` merged into its model.*
+        (compile=False, net={"attention": "sdpa"}). Its class names are `class_names`."""
+        checkpoint = read_checkpoint(checkpoint_path, key="checkpoint_path")
+        model = hydra.utils.instantiate(OmegaConf.merge(checkpoint["run_config"]["model"], settings))
+        if not isinstance(model, cls):
+            raise ConfigError(f"{checkpoint_path} holds a {type(model).__name__}, not a {cls.__name__}")
+        model.load_state_dict(checkpoint["state_dict"], strict=strict)
+        model.on_load_checkpoint(checkpoint)
+        model.class_names = run_class_names(checkpoint) or numbered_classes(model.num_classes)
+        return model.to(map_location or "cpu").eval()
+
     def setup(self, stage: str) -> None:
         # Each stage's metrics start from nothing, in tensors of their own: a ddp_spawn rank
         # gets its states in memory shared with the other ranks and the launching process
@@ -209,7 +237,8 @@ class NaViTClassifier(L.LightningModule):
         longest_side = getattr(self.trainer.datamodule, "longest_side", None)
         if longest_side is not None:
             for split in ("train", "val"):
-                self.net.pos_embed.check_side(longest_side(split))
+                patches, image = longest_side(split)
+                self.net.pos_embed.check_side(patches, f"{split} image {image}")
 
     def forward(self, batch: PackedBatch, index: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (N, classes) of the batch's N images, in row-major slot order; `index`: their

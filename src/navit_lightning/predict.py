@@ -9,6 +9,7 @@ import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from navit_lightning import CONFIG_DIR
 from navit_lightning.data.folder import IMAGE_SUFFIXES, image_files_under
 from navit_lightning.data.index import SURROGATES, other_files
 from navit_lightning.errors import ConfigError, DataError, OutputError, is_count
-from navit_lightning.resolution import budgets_past_the_tables, past_the_tables
+from navit_lightning.resolution import budgets_past_the_tables
 from navit_lightning.utils.checkpoints import (
     build_from_checkpoint,
     data_for,
@@ -36,6 +37,12 @@ from navit_lightning.utils.entry_point import launch, run_task
 from navit_lightning.utils.instantiate import instantiate_group
 from navit_lightning.utils.shutdown import explain_collective_failure
 from navit_lightning.utils.validate import check_launch, check_run_attention
+
+# UTF-8 whatever the locale (a Latin-1 one wrote class names in Latin-1, an ASCII one failed
+# on them); a file name that is not UTF-8 is written as its bytes
+CSV_TEXT: dict[str, Any] = {"encoding": "utf-8", "errors": SURROGATES, "newline": ""}
+# about 2 MB of CSV text a rank, in each round of gathering the predictions on rank zero
+ROWS_A_ROUND = 20_000
 
 
 def image_files(input_path: Path) -> list[Path]:
@@ -59,8 +66,8 @@ def image_files(input_path: Path) -> list[Path]:
 class PredictionWriter(BasePredictionWriter):
     """Writes `predictions.csv`: one row per image that could be read, in the order of
     `paths`, with its top_k classes and their probabilities. Every rank writes its share to
-    a part file as its batches come (nothing piles up in memory); global rank zero merges
-    them once every rank is done."""
+    a part file as its batches come (nothing piles up in memory); once every rank is done,
+    global rank zero gathers their rows and writes the CSV."""
 
     def __init__(self, path: Path, paths: Sequence[Path], class_names: Sequence[str], top_k: int) -> None:
         super().__init__(write_interval="batch")
@@ -90,8 +97,7 @@ class PredictionWriter(BasePredictionWriter):
                 "predict a folder that stays as it is, or a copy of it"
             )
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # a file name that is not UTF-8 is written as its bytes (errors=SURROGATES)
-        self._part = open(self._part_path(trainer.global_rank), "w", newline="", errors=SURROGATES)  # noqa: SIM115
+        self._part = open(self._part_path(trainer.global_rank), "w", **CSV_TEXT)  # noqa: SIM115
 
     def write_on_batch_end(
         self,
@@ -122,43 +128,55 @@ class PredictionWriter(BasePredictionWriter):
         if seen:
             seen[batch_idx] = ()
 
-    def _remove_parts(self, ranks: int) -> None:
-        for rank in range(ranks):
-            self._part_path(rank).unlink()
+    def _rows_on_rank_zero(self, trainer: L.Trainer) -> list[list[str]]:
+        """Every rank's rows on global rank zero (none on the others). They travel through the
+        process group, not the disk: another node's output folder may be its own (a node-local
+        PROJECT_ROOT), where rank zero found no part and every row was lost."""
+        with open(self._part_path(trainer.global_rank), **CSV_TEXT) as part:
+            rows = csv.reader(part)
+            if trainer.world_size == 1:
+                return list(rows)
+            gathered: list[list[str]] = []
+            # in rounds: a part gathered at once is held pickled as well, on every rank together
+            while True:
+                chunk = list(islice(rows, ROWS_A_ROUND))
+                chunks: list[Any] | None = [None] * trainer.world_size if trainer.is_global_zero else None
+                torch.distributed.gather_object(chunk, chunks, dst=0)
+                gathered.extend(row for ranks_rows in chunks or [] for row in ranks_rows)
+                if not trainer.strategy.reduce_boolean_decision(bool(chunk), all=False):
+                    return gathered
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
-        if self._part is not None and not self._part.closed:  # a failed run leaves no part behind
+        if self._part is None:
+            return
+        if not self._part.closed:  # a failed run leaves no part behind
             with suppress(OSError):  # its buffered rows may not fit (a full disk)
                 self._part.close()
-            self._part_path(trainer.global_rank).unlink(missing_ok=True)
+        self._part_path(trainer.global_rank).unlink(missing_ok=True)
 
     def on_predict_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        with written(self._part_path(trainer.global_rank)):
+        part = self._part_path(trainer.global_rank)
+        with written(part):
             self._part.close()
-        trainer.strategy.barrier()  # every rank's part is complete
+        rows = self._rows_on_rank_zero(trainer)  # every rank, together
+        part.unlink()
         if not trainer.is_global_zero:
             return
-        rows = []
-        for rank in range(trainer.world_size):
-            with open(self._part_path(rank), newline="", errors=SURROGATES) as part:
-                rows.extend(csv.reader(part))
         if not rows:
-            self._remove_parts(trainer.world_size)
             raise DataError(f"none of the {len(self.paths)} input file(s) could be decoded (named above)")
         rows.sort(key=lambda row: int(row[0]))
-        # whole or not there: the parts go once the CSV is in place
+        # whole or not there
         partial = self.path.with_name(f".{self.path.name}.partial")
         try:
-            with written(self.path), open(partial, "w", newline="", errors=SURROGATES) as file:
+            with written(self.path), open(partial, "w", **CSV_TEXT) as file:
                 writer = csv.writer(file)
                 writer.writerow(self.header())
                 writer.writerows(row[1:] for row in rows)
             os.replace(partial, self.path)
         finally:
             partial.unlink(missing_ok=True)
-        self._remove_parts(trainer.world_size)
         said = f"{self.path}: {len(rows)} image(s) predicted"
         if left_out := len(self.paths) - len(rows):
             # a limit on the batches (trainer.limit_predict_batches, fast_dev_run) reads fewer:
@@ -194,8 +212,8 @@ def predict(cfg: DictConfig) -> Path:
         )
     check_launch(cfg, training=False)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    run, class_names = load_training_run(cfg.ckpt_path)  # a wrong one refused before a long listing
     paths = image_files(Path(cfg.input).expanduser())
-    run, class_names = load_training_run(cfg.ckpt_path)
     check_run_attention(cfg, run)
     data = OmegaConf.merge(data_for(cfg, run, data_keys_given()), {"generate": None})  # nothing to generate
     output = Path(cfg.paths.output_dir) / "predictions.csv"
@@ -209,8 +227,7 @@ def predict(cfg: DictConfig) -> Path:
     too_long = budgets_past_the_tables([budget], datamodule, model.net, "predict")
     if too_long:
         at = f"at patch_budget={budget or datamodule.train_policy.max_patches}"
-        image = past_the_tables("an input image", too_long[budget], model.net)
-        raise ConfigError(f"{at} {image}: give a smaller patch_budget")
+        raise ConfigError(f"{at} {too_long[budget]}: give a smaller patch_budget")
     with explain_collective_failure(trainer):
         trainer.predict(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path, return_predictions=False)
     return output

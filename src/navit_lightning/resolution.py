@@ -132,24 +132,21 @@ SPLIT_STAGES = {"val": "validate", "test": "test", "predict": "predict"}
 
 def budgets_past_the_tables(
     budgets: list[int | None], datamodule: Any, net: Any, split: str
-) -> dict[int | None, int]:
+) -> dict[int | None, str]:
     """Of patch `budgets` (None: data.max_patches), those at which an image of `split` would
     be longer than the network's absolute position tables (model.net.max_grid), each with
-    that image's length in patches: its evaluation would stop at that image (under ddp on
-    one rank, which the others wait for). Every rank finds the same: from the data's sizes."""
+    why, naming that image: its evaluation would stop there (under ddp on one rank, which
+    the others wait for). Every rank finds the same: from the data's sizes."""
     if not budgets or net.pos_embed.fractional:
         return {}
     datamodule.setup(SPLIT_STAGES[split])  # after a fit a no-op, but in ddp_spawn's first process
     longest = {budget: datamodule.longest_side(split, budget) for budget in budgets}
-    return {budget: length for budget, length in longest.items() if length > net.pos_embed.max_grid}
-
-
-def past_the_tables(image: str, length: int, net: Any) -> str:
-    """Why an image `length` patches long cannot be evaluated, `image` naming it."""
-    return (
-        f"{image} is {length} patches long, past model.net.max_grid={net.pos_embed.max_grid} "
-        "(the network's position tables)"
-    )
+    return {
+        budget: f"{split} image {image} is {length} patches long, past model.net.max_grid="
+        f"{net.pos_embed.max_grid} (the network's position tables)"
+        for budget, (length, image) in longest.items()
+        if length > net.pos_embed.max_grid
+    }
 
 
 def budgets_that_fit(budgets: list[int], datamodule: Any, net: Any, split: str) -> list[int]:
@@ -159,8 +156,7 @@ def budgets_that_fit(budgets: list[int], datamodule: Any, net: Any, split: str) 
     if too_long:
         first = next(iter(too_long))
         rank_zero_warn(
-            f"patch_budgets {list(too_long)} left out: at {first} "
-            f"{past_the_tables(f'an image of the {split} split', too_long[first], net)}; fractional "
+            f"patch_budgets {list(too_long)} left out: at {first} {too_long[first]}; fractional "
             "positions have no such bound"
         )
     return [budget for budget in budgets if budget not in too_long]

@@ -386,13 +386,15 @@ class PackedImageDataModule(L.LightningDataModule):
     def teardown(self, stage: str) -> None:
         self._loaders.clear()  # their workers end with them
 
-    def longest_side(self, split: str, budget: int | None = None) -> int:
-        """The most patches along a side of an image of `split` (set up) at patch `budget`; of
-        the train split, at any budget its policy draws (data.min_patches..data.max_patches)."""
-        sizes = self.datasets[split].images.sizes
+    def longest_side(self, split: str, budget: int | None = None) -> tuple[int, str]:
+        """The most patches along a side of an image of `split` (set up) at patch `budget`, and
+        that image's name; of the train split, at any budget its policy draws
+        (data.min_patches..data.max_patches)."""
+        images = self.datasets[split].images
         policy = self.policy(split, budget)
         budgets = range(policy.min_patches or policy.max_patches, policy.max_patches + 1)
-        return longest_side(sizes[:, 0], sizes[:, 1], self.patch_size, budgets)
+        patches, index = longest_side(images.sizes[:, 0], images.sizes[:, 1], self.patch_size, budgets)
+        return patches, images.name(index) if index >= 0 else ""
 
     def policy(self, split: str, budget: int | None = None) -> SizePolicy:
         """How big `split`'s images are: evaluation images at their native resolution, capped by

@@ -70,20 +70,23 @@ def rounded_grids(
     return grid_h, grid_w
 
 
-def longest_side(heights: np.ndarray, widths: np.ndarray, patch_size: int, budgets: range) -> int:
-    """The most patches along a side of any of the images at any of the patch `budgets`: not
-    always at the largest (a 338 x 25 px image is 2 x 18 patches of 16 px at 36, 1 x 20 at
-    30). The smaller budgets are tried only on the images that rounded_grids allows longer."""
+def longest_side(heights: np.ndarray, widths: np.ndarray, patch_size: int, budgets: range) -> tuple[int, int]:
+    """The most patches along a side of any of the images at any of the patch `budgets`, and
+    the index of an image that long (-1 for no image). Not always at the largest budget (a
+    338 x 25 px image is 2 x 18 patches of 16 px at 36, 1 x 20 at 30): the smaller budgets are
+    tried only on the images that rounded_grids allows longer."""
 
-    def longest_at(budget: int, images: np.ndarray) -> int:
+    def longest_at(budget: int, images: np.ndarray) -> tuple[int, int]:
         grid_h, grid_w = fit_grids(heights[images], widths[images], patch_size, np.full(len(images), budget))
-        return int(max(grid_h.max(initial=0), grid_w.max(initial=0)))
+        sides = np.maximum(grid_h, grid_w)
+        at = int(sides.argmax()) if len(sides) else -1
+        return (int(sides[at]), int(images[at])) if len(sides) else (0, -1)
 
     longest = longest_at(budgets[-1], np.arange(len(heights)))
     bound_h, bound_w = rounded_grids(heights, widths, patch_size, budgets[-1])
-    maybe_longer = np.flatnonzero(np.maximum(bound_h, bound_w) > longest)
+    maybe_longer = np.flatnonzero(np.maximum(bound_h, bound_w) > longest[0])
     for budget in budgets[:-1] if len(maybe_longer) else ():
-        longest = max(longest, longest_at(budget, maybe_longer))
+        longest = max(longest, longest_at(budget, maybe_longer), key=lambda side: side[0])
     return longest
 
 

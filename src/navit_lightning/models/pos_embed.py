@@ -29,11 +29,11 @@ class FactorizedPosEmbed(nn.Module):
         if coords.numel():
             self.check_side(int(coords.max()) + 1)
 
-    def check_side(self, patches: int) -> None:
-        """Refuses an image side `patches` long past the absolute tables, naming the fix."""
+    def check_side(self, patches: int, image: str = "an image") -> None:
+        """Refuses a side of `image` `patches` long past the absolute tables, naming the fix."""
         if not self.fractional and patches > self.max_grid:
             raise ConfigError(
-                f"an image is {patches} patches long but model.net.max_grid={self.max_grid}: "
+                f"{image} is {patches} patches long but model.net.max_grid={self.max_grid}: "
                 f"scale the images to at most {self.max_grid} patches a side (data.max_patches, "
                 "data.min_patches, patch_budgets), or train with a larger model.net.max_grid"
             )
