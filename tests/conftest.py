@@ -124,6 +124,20 @@ def _gloo_rank(rank: int, port: int, results: Any, rank_does: Callable[..., Any]
         torch.distributed.destroy_process_group()
 
 
+class GlooStrategy:
+    """Lightning's ddp strategy's broadcast and reduce_boolean_decision, on on_two_gloo_ranks' group."""
+
+    def broadcast(self, value: Any) -> Any:
+        values = [value]
+        torch.distributed.broadcast_object_list(values, src=0)
+        return values[0]
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        votes = torch.tensor(int(decision))
+        torch.distributed.all_reduce(votes)
+        return bool(votes == torch.distributed.get_world_size()) if all else bool(votes)
+
+
 def logged_scalars(events: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar in a TensorBoard event file, or in all of a folder's: tag -> (step, value)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

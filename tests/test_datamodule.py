@@ -29,7 +29,7 @@ from navit_lightning.data.workers import WORKER_MODULES
 from navit_lightning.train import hold_out_as_its_run
 from navit_lightning.utils.callbacks import StoreRunConfig
 from navit_lightning.utils.shutdown import descendants
-from tests.conftest import REPO, TINY_RUN, TINY_SET, bare_trainer, run_whole
+from tests.conftest import REPO, TINY_RUN, TINY_SET, GlooStrategy, bare_trainer, on_two_gloo_ranks, run_whole
 
 
 def test_train_and_val_folders_are_used_as_given(project_root):
@@ -188,6 +188,31 @@ def shapes_datamodule(project_root: Path, **options) -> PackedImageDataModule:
     """The tiny shapes set in batches of 4 rows x 64 tokens of 16 px patches."""
     return PackedImageDataModule(
         str(project_root / TINY_SET), patch_size=16, max_patches=64, rows=4, row_len=64, **options
+    )
+
+
+def set_up_on_two_ranks(rank: int, roots: list[Path]) -> str:
+    """`rank`'s datamodule set up for a fit from roots[rank], as a ddp rank does."""
+    datamodule = PackedImageDataModule(str(roots[rank]), patch_size=16, max_patches=36, num_workers=0)
+    datamodule.trainer = SimpleNamespace(world_size=2, strategy=GlooStrategy())
+    datamodule.setup("fit")
+    return "set up"
+
+
+def test_ranks_that_found_other_images_are_refused_together(tmp_path):
+    """Each rank reads data.root itself: copies on each node that differed by one image
+    trained 33 of 192 images twice and as many never each epoch, exit 0."""
+    for copy in ("node0", "node1", "node1-short"):
+        for label in ("a", "b"):
+            (tmp_path / copy / label).mkdir(parents=True)
+            for index in range(4):
+                Image.new("RGB", (40, 24), (index * 50, 0, 0)).save(tmp_path / copy / label / f"{index}.png")
+    (tmp_path / "node1-short" / "b" / "3.png").unlink()
+    same = on_two_gloo_ranks(set_up_on_two_ranks, [tmp_path / "node0", tmp_path / "node1"])
+    assert same == {0: "set up", 1: "set up"}
+    other = on_two_gloo_ranks(set_up_on_two_ranks, [tmp_path / "node0", tmp_path / "node1-short"])
+    assert set(other) == {0, 1} and all(
+        "the ranks found different images under" in said for said in other.values()
     )
 
 

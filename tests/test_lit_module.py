@@ -592,6 +592,27 @@ def test_a_synced_batchnorm_head_in_a_world_of_one_rank_trains_on_one_image(tmp_
     assert logits.shape == (1, 3) and torch.isfinite(logits).all()
 
 
+class OneImageOverTheRanks(torch.nn.BatchNorm1d):
+    """What CUDA's SyncBatchNorm does with one image over every rank: that image's mean, and
+    its unbiased variance 0/0 into running_var."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.running_var.fill_(float("nan"))
+        return x * self.weight + self.bias
+
+
+def test_a_synced_batchnorm_head_keeps_its_running_variance_over_one_image_of_all_ranks(monkeypatch):
+    """The epoch's last step, one image on one rank and filler on the others: every later
+    evaluation (val/acc, the best checkpoint, eval.py) ran on a NaN running_var, silently."""
+    monkeypatch.setattr("navit_lightning.models.heads.gathers_across_ranks", lambda norm: True)
+    head = BatchNormMlp(8, 3).train()
+    head[1] = OneImageOverTheRanks(8)
+    head[1].running_var.uniform_(0.5, 2.0)
+    before = head[1].running_var.clone()
+    assert torch.isfinite(head(torch.randn(1, 8))).all()
+    assert torch.equal(head[1].running_var, before)
+
+
 def test_a_stop_inside_a_fit_validation_leaves_the_trained_weights_in_the_model():
     """The average is swapped in for a validation: an error or Ctrl-C there would leave it in
     the model, and the save on the stop would write it as the trained weights."""

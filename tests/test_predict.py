@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
@@ -23,7 +22,15 @@ from navit_lightning.data.transforms import image_to_sample
 from navit_lightning.errors import DataError, OutputError
 from navit_lightning.lit_module import NaViTClassifier
 from navit_lightning.predict import PredictionWriter
-from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, TINY_SET, on_two_gloo_ranks, run_folder
+from tests.conftest import (
+    DDP_TWO_RANKS,
+    REPO,
+    TINY_RUN,
+    TINY_SET,
+    GlooStrategy,
+    on_two_gloo_ranks,
+    run_folder,
+)
 from tests.test_bad_input import make_messy_folder
 from tests.test_resolution import accuracy_lines
 
@@ -306,20 +313,6 @@ def test_files_a_batch_limit_left_out_are_not_called_unreadable(tmp_path, caplog
     with caplog.at_level("INFO"):
         writer.on_predict_end(trainer, None)
     assert f"1 image(s) predicted, 1 file(s) {said}" in caplog.text
-
-
-class GlooStrategy:
-    """The two collectives the writer asks of Lightning's ddp strategy, on a gloo group."""
-
-    def broadcast(self, value: Any) -> Any:
-        values = [value]
-        torch.distributed.broadcast_object_list(values, src=0)
-        return values[0]
-
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        votes = torch.tensor(int(decision))
-        torch.distributed.all_reduce(votes)
-        return bool(votes == torch.distributed.get_world_size()) if all else bool(votes)
 
 
 PATHS = [Path(f"{i}.png") for i in range(12)]

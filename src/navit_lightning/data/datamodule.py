@@ -313,6 +313,22 @@ class PackedImageDataModule(L.LightningDataModule):
                     "independent test/acc"
                 )
             self.datasets["test"] = self.datasets["val"]
+        self._refuse_other_images_on_other_ranks()
+
+    def _refuse_other_images_on_other_ranks(self) -> None:
+        """Each rank reads data.root itself: where the ranks' images differ (a copy on each
+        node's disk, a folder that changed while they started), their epoch plans did too,
+        and they trained some images twice and others never, without a word."""
+        trainer = self.trainer
+        if trainer is None or trainer.world_size < 2 or not torch.distributed.is_initialized():
+            return  # one process, or ddp_spawn's launching one: its ranks get these datasets
+        digest = b"".join(self.datasets[split].images.digest() for split in sorted(self.datasets)).hex()
+        strategy = trainer.strategy
+        if not strategy.reduce_boolean_decision(digest == strategy.broadcast(digest), all=True):
+            raise DataError(  # on every rank, together
+                f"the ranks found different images under data.root={self.root} (copies on each node "
+                "that differ, or files that changed while the ranks started): give every rank the same images"
+            )
 
     def _manifest(self) -> tuple[Manifest, dict[str, str]]:
         """root's manifest and which of its folders holds each split (split_layout)."""

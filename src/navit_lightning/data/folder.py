@@ -104,6 +104,13 @@ class Images:
             self.root, self.paths.take(rows), self.labels[rows], self.sizes[rows], spans, self.shard_names
         )
 
+    def digest(self) -> bytes:
+        """Of the images' paths under root, labels and sizes: what a rank plans its epochs from."""
+        content = hashlib.sha1()
+        for array in (self.paths.buffer, self.paths.ends, self.labels, self.sizes):
+            content.update(np.ascontiguousarray(array).data)
+        return content.digest()
+
     def name(self, index: int) -> str:
         """The image's file, or its shard and its path before it was sharded."""
         if self.spans is None or self.shard_names is None:

@@ -21,9 +21,11 @@ class BatchNormMlp(nn.Sequential):
 
     A training batch of one image (an epoch's last batch takes what is left; a rank's share,
     a batch with unreadable images left out) has no batch statistics, and BatchNorm raises:
-    it is normalised by the running statistics instead, which it leaves as they are. Not
-    where SyncBatchNorm gathers the statistics of every rank: each rank must enter that
-    collective, and the images of all of them make the batch."""
+    it is normalised by the running statistics instead, which it leaves as they are. Where
+    SyncBatchNorm gathers the statistics of every rank, each rank must enter that collective
+    and the images of all of them make the batch; one image over all of them (the other
+    ranks' batches filler) would leave running_var NaN, the unbiased variance of one value
+    (torch checks the count on one rank only): the step keeps running_var as it was."""
 
     def __init__(self, dim: int, num_classes: int) -> None:
         super().__init__(nn.Linear(dim, dim), nn.BatchNorm1d(dim), nn.GELU(), nn.Linear(dim, num_classes))
@@ -32,7 +34,13 @@ class BatchNormMlp(nn.Sequential):
         """(N, dim) -> (N, num_classes)."""
         project, norm, activation, classify = self
         x = project(x)
-        if self.training and len(x) == 1 and not gathers_across_ranks(norm):
+        if not self.training:
+            x = norm(x)
+        elif gathers_across_ranks(norm):
+            before = norm.running_var.clone()  # on the device: the count over ranks is not on the host
+            x = norm(x)
+            norm.running_var.copy_(torch.where(norm.running_var.isfinite(), norm.running_var, before))
+        elif len(x) == 1:
             x = F.batch_norm(x, norm.running_mean, norm.running_var, norm.weight, norm.bias, eps=norm.eps)
         else:
             x = norm(x)
