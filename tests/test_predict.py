@@ -80,6 +80,11 @@ def test_predicted_classes_are_those_eval_counts_and_python_sees(run_entry_point
     _, rows = predict(run_entry_point, trained, shapes / "val", tmp_path / "run")
     # from Python: Lightning's load_from_checkpoint looked for hyperparameters (a TypeError)
     model = NaViTClassifier.load_from_checkpoint(trained)
+
+    class Tuned(NaViTClassifier):  # a subclass of one's own, from a file object, as Lightning's
+        pass
+
+    assert type(Tuned.load_from_checkpoint(io.BytesIO(trained.read_bytes()), map_location={})) is Tuned
     max_patches = torch.load(trained, weights_only=True)["run_config"]["data"]["max_patches"]
     assert model.class_names == sorted(CLASSES) and not model.training
     for row in rows[:4]:
@@ -160,12 +165,24 @@ def test_a_bad_top_k_or_patch_budget_is_refused_with_one_line(run_entry_point, t
     assert "Traceback" not in output
 
 
-def test_a_budget_past_the_position_tables_is_refused_before_any_image(run_entry_point, trained, tmp_path):
+def test_a_budget_past_the_position_tables_or_no_batch_is_refused_before_any_image(
+    run_entry_point, trained, tmp_path
+):
     """A 2000x20 panorama at 400 patches is 200 long, the tables 36: predict.py failed at its
-    batch, no CSV for the other images, naming eval.py's key; eval.py after the budgets before."""
+    batch, no CSV for the other images, naming eval.py's key; eval.py after the budgets before.
+    A limit of no batch wrote nothing and said nothing, exit 0."""
     for number, name in enumerate(CLASSES):
         (tmp_path / "in" / name).mkdir(parents=True)
         Image.new("RGB", (2000, 20) if number == 0 else (40, 40)).save(tmp_path / "in" / name / "0.png")
+    result = run_entry_point(
+        "predict.py",
+        f"ckpt_path={trained}",
+        f"input={tmp_path / 'in'}",
+        "+trainer.limit_predict_batches=0",
+        check=False,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "error: trainer.limit_predict_batches=0 predicts nothing" in output
     result = run_entry_point(
         "predict.py", f"ckpt_path={trained}", f"input={tmp_path / 'in'}", "patch_budget=400", check=False
     )
@@ -173,7 +190,7 @@ def test_a_budget_past_the_position_tables_is_refused_before_any_image(run_entry
     assert result.returncode == 2 and "Traceback" not in output, output[-3000:]
     panorama = tmp_path / "in" / CLASSES[0] / "0.png"
     assert (
-        f"error: at patch_budget=400 predict image {panorama} is 200 patches long, past model.net.max_grid=36"
+        f"error: at patch_budget=400 input image {panorama} is 200 patches long, past model.net.max_grid=36"
         in output
     )
     result = run_entry_point(

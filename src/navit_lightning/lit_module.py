@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import IO, TYPE_CHECKING, Any, NamedTuple
 
 import hydra
 import lightning as L
@@ -23,6 +24,9 @@ from navit_lightning.errors import ConfigError, require_flags
 from navit_lightning.models import NaViT, build_head
 from navit_lightning.utils.checkpoints import numbered_classes, read_checkpoint, run_class_names
 from navit_lightning.utils.schedules import check_lr_scaling, lr_scale
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 # What a resumed optimizer keeps from its checkpoint: its parameters, and the rates its
 # schedule sets.
@@ -164,8 +168,8 @@ class NaViTClassifier(L.LightningModule):
         self.net = net
         self.head = build_head(head, net.num_features, num_classes)
         self.num_classes = num_classes
-        # by label; load_from_checkpoint takes those the checkpoint stores
-        self.class_names = numbered_classes(num_classes)
+        # the labels' names: load_from_checkpoint sets the checkpoint's
+        self.class_names: list[str] | None = None
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
         self.compile = compile
@@ -198,24 +202,40 @@ class NaViTClassifier(L.LightningModule):
     @classmethod
     def load_from_checkpoint(  # type: ignore[override]
         cls,
-        checkpoint_path: str | Path,
-        map_location: str | torch.device | None = None,
-        strict: bool = True,
+        checkpoint_path: str | Path | IO[bytes],
+        map_location: Any = None,
+        hparams_file: str | Path | None = None,
+        strict: bool | None = None,
+        weights_only: bool | None = None,
         **settings: Any,
-    ) -> NaViTClassifier:
+    ) -> Self:
         """The model a checkpoint of train.py holds, from Python (a notebook, a service), in
-        eval mode. Lightning's own method builds from saved hyperparameters, which train.py does
-        not save (the network and the optimizer are objects Hydra builds): this one builds from
-        the training config the checkpoint stores, with `settings` merged into its model.*
-        (compile=False, net={"attention": "sdpa"}). Its class names are `class_names`."""
-        checkpoint = read_checkpoint(checkpoint_path, key="checkpoint_path")
-        model = hydra.utils.instantiate(OmegaConf.merge(checkpoint["run_config"]["model"], settings))
-        if not isinstance(model, cls):
-            raise ConfigError(f"{checkpoint_path} holds a {type(model).__name__}, not a {cls.__name__}")
-        model.load_state_dict(checkpoint["state_dict"], strict=strict)
+        eval mode, as Lightning's method takes them (map_location, strict; it reads weights
+        only). Lightning's builds from saved hyperparameters, which train.py does not save (the
+        network and the optimizer are objects Hydra builds): this one builds the class it is
+        called on (the checkpoint's, or a subclass) from the training config the checkpoint
+        stores, `settings` merged into its model.* (compile=False, net={"attention": "sdpa"}).
+        `class_names`: the labels' names."""
+        if hparams_file is not None:
+            raise ConfigError(
+                f"hparams_file={hparams_file}: the model is built from the training config the "
+                "checkpoint stores; give its model.* settings as keywords"
+            )
+        checkpoint = read_checkpoint(checkpoint_path, "checkpoint_path", map_location or "cpu")
+        config = OmegaConf.merge(checkpoint["run_config"]["model"], settings)
+        trained = hydra.utils.get_class(config.pop("_target_"))
+        if not issubclass(cls, trained):
+            raise ConfigError(
+                f"{checkpoint_path} holds a {trained.__name__}, which {cls.__name__} does not derive from"
+            )
+        if unknown := sorted(set(settings) - set(inspect.signature(cls).parameters)):
+            raise ConfigError(f"{', '.join(unknown)}: not settings of {cls.__name__}")
+        model = cls(**hydra.utils.instantiate(config, _convert_="all"))
         model.on_load_checkpoint(checkpoint)
+        model.load_state_dict(checkpoint["state_dict"], strict=strict is not False)
         model.class_names = run_class_names(checkpoint) or numbered_classes(model.num_classes)
-        return model.to(map_location or "cpu").eval()
+        state = (value for value in checkpoint["state_dict"].values() if isinstance(value, torch.Tensor))
+        return model.to(next(state).device).eval()  # where map_location put the weights, as Lightning
 
     def setup(self, stage: str) -> None:
         # Each stage's metrics start from nothing, in tensors of their own: a ddp_spawn rank

@@ -141,8 +141,9 @@ def budgets_past_the_tables(
         return {}
     datamodule.setup(SPLIT_STAGES[split])  # after a fit a no-op, but in ddp_spawn's first process
     longest = {budget: datamodule.longest_side(split, budget) for budget in budgets}
+    images = "input" if split == "predict" else split
     return {
-        budget: f"{split} image {image} is {length} patches long, past model.net.max_grid="
+        budget: f"{images} image {image} is {length} patches long, past model.net.max_grid="
         f"{net.pos_embed.max_grid} (the network's position tables)"
         for budget, (length, image) in longest.items()
         if length > net.pos_embed.max_grid

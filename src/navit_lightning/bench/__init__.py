@@ -24,7 +24,7 @@ def at_least_one(text: str) -> int:
     """argparse's type for a flag that counts steps, images or rounds: a whole number above 0."""
     try:
         value = int(text)
-    except ValueError:  # argparse's own line: "invalid at_least_one value"
+    except ValueError:  # not argparse's "invalid at_least_one value" line
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text}: give a whole number, 1 or more")

@@ -79,8 +79,10 @@ def longest_side(heights: np.ndarray, widths: np.ndarray, patch_size: int, budge
     def longest_at(budget: int, images: np.ndarray) -> tuple[int, int]:
         grid_h, grid_w = fit_grids(heights[images], widths[images], patch_size, np.full(len(images), budget))
         sides = np.maximum(grid_h, grid_w)
-        at = int(sides.argmax()) if len(sides) else -1
-        return (int(sides[at]), int(images[at])) if len(sides) else (0, -1)
+        if not len(sides):
+            return 0, -1
+        at = int(sides.argmax())
+        return int(sides[at]), int(images[at])
 
     longest = longest_at(budgets[-1], np.arange(len(heights)))
     bound_h, bound_w = rounded_grids(heights, widths, patch_size, budgets[-1])

@@ -11,7 +11,7 @@ from collections.abc import Collection, Iterator
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import hydra
 import lightning as L
@@ -326,10 +326,15 @@ def validate_again(val_loop: Any, started: bool) -> None:
         tracker.processed = tracker.completed = base
 
 
-def read_checkpoint(ckpt_path: str | Path, key: str = "ckpt_path") -> dict[str, Any]:
+def read_checkpoint(
+    ckpt_path: str | Path | IO[bytes], key: str = "ckpt_path", map_location: Any = "cpu"
+) -> dict[str, Any]:
     """A whole checkpoint of this project's train.py (memory-mapped), or a ConfigError whose
     one line names the fix: missing, truncated (a kill during a copy), or another program's.
-    `key`: the setting that named the file, as the line shows it."""
+    `key`: the setting that named the file, as the line shows it; `map_location`: torch.load's.
+    A file object is read as it is."""
+    if not isinstance(ckpt_path, str | os.PathLike):
+        return ours(torch.load(ckpt_path, map_location=map_location, weights_only=True), key, ckpt_path)
     path = Path(ckpt_path)
     if not path.is_file():
         what = "is a folder" if path.is_dir() else "does not exist"
@@ -340,14 +345,19 @@ def read_checkpoint(ckpt_path: str | Path, key: str = "ckpt_path") -> dict[str, 
     try:
         with zipfile.ZipFile(path) as archive:
             broken = archive.testzip()
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        checkpoint = torch.load(path, map_location=map_location, weights_only=True, mmap=True)
     except Exception as error:  # torch and zipfile raise many kinds for a damaged file
         raise ConfigError(f"{key}={path} cannot be read ({error}): it is truncated or damaged") from None
     if broken is not None:
         raise ConfigError(f"{key}={path} is damaged ({broken} fails its check): use another checkpoint")
+    return ours(checkpoint, key, path)
+
+
+def ours(checkpoint: Any, key: str, source: Any) -> dict[str, Any]:
+    """`checkpoint`, read from `source`, if train.py wrote it."""
     if not isinstance(checkpoint, dict) or not {"state_dict", "run_config"} <= checkpoint.keys():
         raise ConfigError(
-            f"{key}={path} is not a checkpoint of navit_lightning's train.py (no state_dict and "
+            f"{key}={source} is not a checkpoint of navit_lightning's train.py (no state_dict and "
             "run_config): pass one from logs/<task>/runs/<run>/checkpoints/"
         )
     return checkpoint
