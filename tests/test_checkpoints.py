@@ -107,7 +107,11 @@ def test_resuming_another_network_other_classes_or_an_ema_run_without_ema_is_ref
         *built_model("model.num_classes=3", "optimizer.lr=1e-2"), path, False, classes, fitting=False
     )
     with pytest.raises(
-        ConfigError, match=re.escape("another network (model.net.dim=32 there, 64 here): resume")
+        ConfigError,
+        match=re.escape(
+            "another network (model.net.dim=32 there, 64 here): resume with the settings it was "
+            "trained with (model.net.dim=32)"
+        ),
     ):
         check_resumable(*built_model("model.num_classes=3", "model.net.dim=64"), path, True, classes)
     # another head: no model.net setting differs, the head's tensors do (Lightning failed in
@@ -178,7 +182,8 @@ def test_init_from_loads_the_network_and_the_head_only_for_the_same_classes(tmp_
     with pytest.raises(
         ConfigError,
         match=re.escape(
-            "another network (model.net.depth=4 there, 2 here): start with the model.net settings"
+            "another network (model.net.depth=4 there, 2 here): start with the model.net settings "
+            "it was trained with (model.net.depth=4)"  # the overrides to add, as max_grid=36
         ),
     ):
         load_initial_weights(other, config, path, ["a", "b", "c", "d"])
@@ -307,9 +312,17 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize(
-    "damage", ["missing", "truncated", "a flipped byte", "foreign", "weights alone", "not a zip"]
+    ("damage", "said"),
+    [
+        ("missing", "does not exist"),
+        ("truncated", "it is truncated or damaged"),
+        ("a flipped byte", "is damaged"),
+        ("foreign", "is not a checkpoint of navit_lightning's train.py"),
+        ("weights alone", "is not a checkpoint of navit_lightning's train.py"),
+        ("not a zip", "is not a checkpoint (not the zip archive"),  # "truncated or damaged"
+    ],
 )
-def test_unusable_checkpoints_are_refused_with_the_fix(tmp_path, damage):
+def test_unusable_checkpoints_are_refused_with_the_fix(tmp_path, damage, said):
     path = tmp_path / "last.ckpt"
     weights = torch.arange(1000, dtype=torch.float32)
     good = {"state_dict": {"w": weights}, "run_config": {"seed": 1}}
@@ -327,8 +340,9 @@ def test_unusable_checkpoints_are_refused_with_the_fix(tmp_path, damage):
         torch.save({"state_dict": {"w": weights}}, path)
     elif damage == "not a zip":
         path.write_text("hello")
-    with pytest.raises(ConfigError, match=f"ckpt_path={path}"):
+    with pytest.raises(ConfigError, match=f"ckpt_path={path}") as refused:
         read_checkpoint(path)
+    assert said in str(refused.value)
 
 
 def test_a_trainer_resuming_as_by_epochs_still_pickles():

@@ -614,21 +614,34 @@ def test_a_checkpoint_at_the_end_of_an_epoch_cut_short_by_limit_train_batches_is
     assert loader.state_dict()["batches_done"] == len(loader.batch_sampler) > 2
 
 
+@pytest.mark.parametrize(
+    ("cores", "devices", "dp", "srun_tasks", "expected"),
+    [
+        (8, 2, None, None, 3),  # Lightning's or torchrun's ranks share the cores they inherit
+        (8, 2, SimpleNamespace(devices_per_process=2), None, 7),
+        (64, 1, None, None, 8),
+        (8, 4, None, "4", 7),  # srun gives each task its own --cpus-per-task
+    ],
+)
 def test_the_default_loader_workers_share_the_cores_and_leave_one_to_each_training_process(
-    project_root, monkeypatch
+    project_root, monkeypatch, cores, devices, dp, srun_tasks, expected
 ):
+    """Of the cores the process may use: on a node of 128 a SLURM task of 8 started 8 loader
+    workers, and its first index 128 processes."""
     datamodule = shapes_datamodule(project_root)  # data.num_workers=null
     datamodule.setup("fit")
-    for cores, devices, dp, expected in (
-        (8, 2, None, 3),
-        (8, 2, SimpleNamespace(devices_per_process=2), 7),
-        (64, 1, None, 8),
-    ):
-        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
-        datamodule.trainer = SimpleNamespace(
-            num_devices=devices, strategy=dp, world_size=1, global_rank=0, overfit_batches=0
-        )
-        assert datamodule.val_dataloader().num_workers == expected, (cores, devices, dp)
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    for name in ("SLURM_STEP_ID", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
+        monkeypatch.delenv(name, raising=False)
+    if srun_tasks:
+        monkeypatch.setenv("SLURM_STEP_ID", "0")
+        monkeypatch.setenv("SLURM_PROCID", "0")
+        monkeypatch.setenv("SLURM_STEP_NUM_TASKS", srun_tasks)
+    datamodule.trainer = SimpleNamespace(
+        num_devices=devices, strategy=dp, world_size=1, global_rank=0, overfit_batches=0
+    )
+    assert datamodule.val_dataloader().num_workers == expected
 
 
 def fit_at_epoch(epoch: int) -> SimpleNamespace:

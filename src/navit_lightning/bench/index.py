@@ -43,6 +43,7 @@ from navit_lightning.data.index import (
     StringTable,
     index_folder,
 )
+from navit_lightning.data.workers import usable_cores
 
 CLASSES = 10
 DISTINCT = 400  # distinct images, copied under many names: writing 200,000 encodes is slow
@@ -166,7 +167,7 @@ def main() -> None:
             write_folder(root, args.images)
             print(f"wrote {args.images:,} image files in {time.perf_counter() - start:.0f} s")
         (root / MANIFEST_NAME).unlink(missing_ok=True)
-        workers = os.cpu_count() or 1
+        workers = usable_cores()
         first = timed(lambda: index_folder(root, workers=workers))
         second = timed(lambda: index_folder(root, workers=workers))
         plan = timed(lambda: plan_from_manifest(root))

@@ -37,8 +37,9 @@ from navit_lightning.data.packing import PackCollate
 from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
 from navit_lightning.data.shards import load_shards, shard_classes
 from navit_lightning.data.transforms import longest_side
-from navit_lightning.data.workers import loader_context, loader_worker_init
+from navit_lightning.data.workers import loader_context, loader_worker_init, usable_cores
 from navit_lightning.errors import ConfigError, DataError, require_counts, require_flags
+from navit_lightning.utils.launch import srun_tasks
 
 # What one optimizer step consumes, logged at the start of training (see _report_effective_batch).
 EFFECTIVE_BATCH_METRICS = ("effective_batch/tokens", "effective_batch/images")
@@ -242,11 +243,11 @@ class PackedImageDataModule(L.LightningDataModule):
         if self.predict_paths:  # predict.py reads its input files, not data.root
             return
         if self.generate is not None:
-            shapes.generate(self.root, self.generate, workers=os.cpu_count() or 1)
+            shapes.generate(self.root, self.generate, workers=usable_cores())
         # once per process: fit, then test and validate call this again
         if not self._indexed and not self.shards:
             self.class_names()  # a root that cannot train is refused before it is indexed
-            index_folder(self.root, self.index_dir, os.cpu_count() or 1, name_others=self.generate is None)
+            index_folder(self.root, self.index_dir, usable_cores(), name_others=self.generate is None)
             self._indexed = True
 
     def predict_on(self, paths: list[Path]) -> None:
@@ -260,7 +261,7 @@ class PackedImageDataModule(L.LightningDataModule):
             if "predict" in self.datasets:  # its headers read once, before the budget's check
                 return
             numbered = [(path, number) for number, path in enumerate(self.predict_paths)]
-            images, unreadable = images_of_files(numbered, workers=os.cpu_count() or 1)
+            images, unreadable = images_of_files(numbered, workers=usable_cores())
             warn_unreadable_on_rank_zero(unreadable)
             if not len(images.labels):
                 raise DataError(
@@ -449,9 +450,12 @@ class PackedImageDataModule(L.LightningDataModule):
     def _num_workers(self) -> int:
         if self.num_workers is not None:
             return self.num_workers
-        # The CPU cores of this node shared by its processes, one left for each training loop.
+        # The cores this process may use, one left for its training loop; shared by the node's
+        # ranks where Lightning or torchrun started them (they inherit one set of cores), not
+        # where srun did (each task has its --cpus-per-task).
         local_processes = self.trainer.num_devices // self._devices_per_process if self.trainer else 1
-        return max(1, min(8, (os.cpu_count() or 1) // local_processes - 1))
+        sharing = 1 if srun_tasks() > 1 else local_processes
+        return max(1, min(8, usable_cores() // sharing - 1))
 
     def train_dataloader(self) -> DataLoader:
         loader = self._loader("train")

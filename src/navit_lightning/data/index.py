@@ -30,7 +30,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from navit_lightning.data.transforms import upright_size
-from navit_lightning.data.workers import map_with_progress
+from navit_lightning.data.workers import map_with_progress, usable_cores
 from navit_lightning.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -339,7 +339,7 @@ def main() -> None:
     )
     parser.add_argument("folder", type=Path)
     parser.add_argument("--index-dir", default=None, help="where the manifest goes if not in the folder")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--workers", type=int, default=usable_cores())
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not args.folder.is_dir():

@@ -18,7 +18,6 @@ import argparse
 import io
 import json
 import logging
-import os
 import re
 import tarfile
 from pathlib import Path
@@ -35,6 +34,7 @@ from navit_lightning.data.folder import (
     warn_unreadable,
 )
 from navit_lightning.data.index import MANIFEST_NAME, Manifest, StringTable, index_folder
+from navit_lightning.data.workers import usable_cores
 from navit_lightning.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("folder", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--samples-per-shard", type=int, default=5000)
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--workers", type=int, default=usable_cores())
     parser.add_argument("--index-dir", type=Path, help="where the folder's manifest goes if it is read-only")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")

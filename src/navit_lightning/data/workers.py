@@ -33,6 +33,13 @@ WORKER_MODULES = [
 ]
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (a SLURM task's --cpus-per-task, taskset, a
+    container's cpuset), where os.cpu_count() counts the node's: 128 workers started in a
+    job of 8 cores."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def forkserver_preload() -> list[str]:
     """What the forkserver imports before its first fork: WORKER_MODULES and what the main
     module needs. multiprocessing runs the main module again in every process started from

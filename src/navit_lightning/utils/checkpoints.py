@@ -342,6 +342,12 @@ def read_checkpoint(
             f"{key}={path} {what}: pass a run's checkpoint file, e.g. {CKPT_PATH_EXAMPLE}"
             + (" (train.py also takes ckpt_path=last)" if key == "ckpt_path" else "")
         )
+    with open(path, "rb") as file:
+        if file.read(4) != b"PK\x03\x04":  # a truncated one starts as torch.save wrote it
+            raise ConfigError(
+                f"{key}={path} is not a checkpoint (not the zip archive torch.save writes): pass one "
+                "from logs/<task>/runs/<run>/checkpoints/"
+            )
     try:
         with zipfile.ZipFile(path) as archive:
             broken = archive.testzip()
@@ -423,7 +429,8 @@ def check_resumable(
     if network_changed or tensor_shapes(checkpoint["state_dict"]) != tensor_shapes(model.state_dict()):
         raise ConfigError(
             f"ckpt_path={ckpt_path} holds another network ({'; '.join(changes) or 'other tensors'}): "
-            "resume with the settings it was trained with, or leave ckpt_path out to start afresh"
+            f"resume with the settings it was trained with{as_given(changes)}, or leave ckpt_path out to "
+            "start afresh"
         )
     if "current_model_state" in checkpoint and not averaging:
         raise ConfigError(
@@ -447,7 +454,7 @@ def load_initial_weights(
     if network_changes or tensor_shapes(parts["net"]) != tensor_shapes(model.net.state_dict()):
         raise ConfigError(
             f"init_from={init_from} holds another network ({'; '.join(network_changes) or 'other tensors'}): "
-            "start with the model.net settings it was trained with"
+            f"start with the model.net settings it was trained with{as_given(network_changes)}"
         )
     model.net.load_state_dict(parts["net"])
     same_head = tensor_shapes(parts["head"]) == tensor_shapes(model.head.state_dict())
@@ -492,6 +499,12 @@ def setting_changes(checkpoint: dict[str, Any], model_config: DictConfig, within
         for key in sorted(saved.keys() | now.keys())
         if key.startswith(within) and not key.startswith(NOT_THE_NETWORK) and saved.get(key) != now.get(key)
     ]
+
+
+def as_given(changes: list[str]) -> str:
+    """The checkpoint's side of setting_changes as overrides to add: a setting that follows
+    another (model.net.max_grid: data.max_patches) was never given, nor known to be the cause."""
+    return f" ({' '.join(change.split(' there, ')[0] for change in changes)})" if changes else ""
 
 
 def check_same_classes(
