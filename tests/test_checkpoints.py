@@ -20,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loops.progress import _BatchProgress
+from lightning.pytorch.trainer.states import TrainerFn
 from omegaconf import OmegaConf
 
 from navit_lightning import CONFIG_DIR
@@ -868,6 +869,18 @@ def test_an_epoch_end_resume_with_another_batch_shape_goes_on_along_the_rest_of_
     assert [rate for _, rate in resumed] == pytest.approx(expected[saved["global_step"] :], rel=1e-5)
 
 
+def stopped_trainer(fn: TrainerFn, validating: bool, global_step: int = 0) -> SimpleNamespace:
+    """What ResumeCheckpoint.on_exception reads of a one-process Trainer running `fn`."""
+    return SimpleNamespace(
+        world_size=1,
+        global_step=global_step,
+        validating=validating,
+        sanity_checking=False,
+        fast_dev_run=False,
+        state=SimpleNamespace(fn=fn),
+    )
+
+
 def test_a_stop_before_this_processs_first_batch_saves_nothing_and_claims_no_save(monkeypatch, caplog):
     """A resume refused at its start (its data changed since a mid-epoch save) said "stopped at
     step 0: saved last.ckpt": the checkpoint's callback state names last.ckpt, and Lightning's
@@ -879,7 +892,7 @@ def test_a_stop_before_this_processs_first_batch_saves_nothing_and_claims_no_sav
     saved = []
     monkeypatch.setattr(ResumeCheckpoint, "_should_save_on_exception", lambda self, trainer: True)
     monkeypatch.setattr(ResumeCheckpoint, "_save_last_checkpoint", lambda self, *args: saved.append(args))
-    trainer = SimpleNamespace(world_size=1, global_step=0, validating=False, sanity_checking=False)
+    trainer = stopped_trainer(TrainerFn.FITTING, validating=False)
     with caplog.at_level(logging.INFO):
         resume.on_exception(trainer, None, DataError("the checkpoint stopped after batch 6 of epoch 0, ..."))
         trainer.global_step = 24  # restored, the optimizer not yet
@@ -891,6 +904,20 @@ def test_a_stop_before_this_processs_first_batch_saves_nothing_and_claims_no_sav
     with caplog.at_level(logging.INFO):
         resume.on_exception(trainer, None, KeyboardInterrupt())
     assert "stopped at step 8 (KeyboardInterrupt): saved run/checkpoints/last.ckpt" in caplog.text
+
+
+def test_a_stop_in_a_validation_after_the_fit_leaves_the_fits_last_checkpoint(monkeypatch):
+    """train.py's budget sweep validates the best checkpoint's weights after the fit: a Ctrl-C
+    or an error there wrote them into last.ckpt at the fit's last step, and ckpt_path=last
+    went on from the best epoch's weights with the last one's step and optimizer."""
+    resume = ResumeCheckpoint("unused")
+    resume.trained_here = True
+    saved = []
+    monkeypatch.setattr(ResumeCheckpoint, "_save_last_checkpoint", lambda self, *args: saved.append(args))
+    trainer = stopped_trainer(TrainerFn.VALIDATING, validating=True, global_step=24)
+    monkeypatch.setattr(ResumeCheckpoint, "_should_save_on_exception", lambda self, trainer: True)
+    resume.on_exception(trainer, None, KeyboardInterrupt())
+    assert saved == []
 
 
 class ScriptedValAcc(BoringModel):

@@ -19,6 +19,7 @@ from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.data.packing import pack
 from navit_lightning.errors import ConfigError
 from navit_lightning.lit_module import (
+    BatchCounts,
     HighestValue,
     ImageMean,
     NaViTClassifier,
@@ -376,13 +377,33 @@ def one_step_trainer(accumulate_grad_batches: int) -> L.Trainer:
     return bare_trainer(max_steps=1, accumulate_grad_batches=accumulate_grad_batches, limit_val_batches=0)
 
 
-def test_accumulated_batches_make_one_mean_over_the_steps_images(project_root):
+class MeanOfMeans(NaViTClassifier):
+    """A subclass's own training_step, returning its batch's mean loss as Lightning's docs do."""
+
+    def training_step(self, batch: PackedBatch, batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+
+def test_the_callbacks_get_the_batch_counts_whatever_the_step():
+    """A subclass's own training_step left them at the sanity check's last batch: throughput
+    figures stale, and an epoch of readable images stopped as 'none could be decoded'."""
+    model, batch = make_model("linear"), make_batch(images=5)
+    model.trainer = SimpleNamespace(training=True)
+    model.on_before_batch_transfer(batch, 0)
+    assert model.batch_counts == BatchCounts(5, batch.num_real_tokens, batch.image_ids.numel())
+
+
+@pytest.mark.parametrize("own_step", [False, True])
+def test_accumulated_batches_make_one_mean_over_the_steps_images(project_root, own_step):
     """Two accumulated batches of unequal image counts: each SGD step moves the weights by the
     gradient of the mean loss over its images, not by the mean of the two batch means; the
-    second step counts its own images only."""
+    second step counts its own images only. A subclass's own step returning a mean trains as
+    Lightning trains it (its gradients were scaled by the batches of a step, 2x here)."""
     torch.manual_seed(0)
     net = NaViT(patch_size=16, dim=32, depth=1, heads=2, max_grid=64)
-    model = NaViTClassifier(net, num_classes=6, optimizer=partial(torch.optim.SGD, lr=1.0))
+    model = (MeanOfMeans if own_step else NaViTClassifier)(
+        net, num_classes=6, optimizer=partial(torch.optim.SGD, lr=1.0)
+    )
     reference = pickle.loads(pickle.dumps(model))
 
     def small_images() -> PackedImageDataModule:  # several a row, as many as their sizes allow
@@ -396,8 +417,12 @@ def test_accumulated_batches_make_one_mean_over_the_steps_images(project_root):
     for step in (batches[:2], batches[2:]):
         assert step[0].num_images != step[1].num_images  # else both means are the same
         reference.zero_grad()
-        summed = [image_loss(reference(b), b.labels[b.image_slots]) * b.num_images for b in step]
-        (sum(summed) / sum(batch.num_images for batch in step)).backward()
+        means = [image_loss(reference(b), b.labels[b.image_slots]) for b in step]
+        if own_step:
+            (sum(means) / len(step)).backward()
+        else:
+            images = [b.num_images for b in step]
+            (sum(m * n for m, n in zip(means, images, strict=True)) / sum(images)).backward()
         with torch.no_grad():
             torch._foreach_sub_(list(reference.parameters()), [p.grad for p in reference.parameters()])
 

@@ -191,8 +191,10 @@ class NaViTClassifier(L.LightningModule):
         # Lightning's ThroughputMonitor.
         self.batch_counts = BatchCounts(0, 0, 0)
         self.flops_per_batch = 0
-        # The images of this optimizer step's batches so far, on this rank (see training_step).
+        # The images of this optimizer step's batches so far, on this rank, and whether
+        # training_step returned their summed losses (not a subclass's own step).
         self._step_images = 0
+        self._summed_losses = False
         # The schedule's length and what it follows (configure_optimizers), and a checkpoint's,
         # with where that checkpoint's run stood.
         self._schedule: dict | None = None
@@ -326,7 +328,9 @@ class NaViTClassifier(L.LightningModule):
 
     def on_before_batch_transfer(self, batch: PackedBatch, dataloader_idx: int) -> PackedBatch:
         # Counted and checked here, on the host, before the copy: on the device each is a sync.
-        self._host_counts = BatchCounts.of(batch)
+        # Also for the callbacks (throughput, unreadable images) where a subclass's own step
+        # does not take them.
+        self._host_counts = self.batch_counts = BatchCounts.of(batch)
         check_layout(batch.image_ids)
         self.net.pos_embed.check_coords(batch.coords)
         if self.trainer.training:
@@ -344,6 +348,7 @@ class NaViTClassifier(L.LightningModule):
             return loss
         images = self.batch_counts.images
         self._step_images += images
+        self._summed_losses = True
         return loss * images
 
     def _batches_per_step(self) -> int:
@@ -352,15 +357,16 @@ class NaViTClassifier(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Every rank runs this hook before each optimizer step, in step: its all_reduce pairs.
+        # Not after a subclass's own training_step returning a mean: Lightning's mean of means.
         batches = self._batches_per_step()
-        if batches == 1:
+        if batches == 1 or not self._summed_losses:
             return
         # DDP's all_reduce and Lightning's accumulation left the mean of the batches' summed
         # gradients: times batches / images, the mean over the step's images. The count made
         # on the device (full, not a copy of a host tensor: no device sync).
         images = torch.full((), float(self._step_images), device=self.device)
         images = self.trainer.strategy.reduce(images, reduce_op="sum")
-        self._step_images = 0
+        self._step_images, self._summed_losses = 0, False
         gradients = [p.grad for p in self.parameters() if p.grad is not None]
         torch._foreach_mul_(gradients, batches / images.clamp(min=1))
 

@@ -19,6 +19,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -153,8 +154,11 @@ class ResumeCheckpoint(ModelCheckpoint):
     ) -> None:
         # A save that failed would fail again. Before this process's first batch the state on
         # disk is the latest, and a stop while restoring it (trainer.max_epochs below the
-        # checkpoint's epoch) wrote it back without its optimizer and schedule states.
-        if isinstance(exception, OutputError) or not self.trained_here:
+        # checkpoint's epoch) wrote it back without its optimizer and schedule states. After
+        # the fit (train.py's budget sweep validates the best checkpoint) a stop wrote the best
+        # weights into last.ckpt at the fit's last step: ckpt_path=last went on from them.
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if isinstance(exception, OutputError) or not self.trained_here or not fitting:
             return
         # Saving enters a barrier that every rank must reach. Across ranks only a stop they
         # all make at once (SIGTERM, through StopTogetherOnSigterm; Ctrl-C) reaches it; an
