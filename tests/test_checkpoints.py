@@ -24,6 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from omegaconf import OmegaConf
 
 from navit_lightning import CONFIG_DIR
+from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.errors import ConfigError, DataError, OutputError
 from navit_lightning.train import resume_from
 from navit_lightning.utils.checkpoints import (
@@ -226,6 +227,14 @@ def test_eval_on_a_data_group_takes_its_images_with_the_runs_sizes_and_what_the_
     # a datamodule of another class: the group as it is
     other = OmegaConf.create({"data": {"_target_": "the.runs.DataModule", "rows": 4}})
     assert data_for(cfg, other, given={"root", "rows"}) == cfg.data
+    # of one's own, derived from the project's: the run's settings (they were dropped)
+    own = OmegaConf.create({"data": {**run.data, "_target_": f"{__name__}.OwnDataModule"}})
+    assert data_for(cfg, own, given={"root"})._target_ == own.data._target_
+    assert data_for(cfg, own, given={"root"}).max_patches == 144
+
+
+class OwnDataModule(PackedImageDataModule):
+    """A datamodule of one's own, derived from the project's."""
 
 
 def test_the_runs_folder_mounted_at_another_path_is_the_runs_folder(tmp_path):

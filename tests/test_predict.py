@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -82,9 +83,13 @@ def test_predicted_classes_are_those_eval_counts_and_python_sees(run_entry_point
     model = NaViTClassifier.load_from_checkpoint(trained)
 
     class Tuned(NaViTClassifier):  # a subclass of one's own, from a file object, as Lightning's
-        pass
+        def __init__(self, *args: Any, smoothing: float = 0.0, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.smoothing = smoothing
 
-    assert type(Tuned.load_from_checkpoint(io.BytesIO(trained.read_bytes()), map_location={})) is Tuned
+    checkpoint = io.BytesIO(trained.read_bytes())
+    tuned = Tuned.load_from_checkpoint(checkpoint, map_location={}, compile=False, smoothing=0.1)
+    assert type(tuned) is Tuned and tuned.smoothing == 0.1  # its settings and the trained class's
     max_patches = torch.load(trained, weights_only=True)["run_config"]["data"]["max_patches"]
     assert model.class_names == sorted(CLASSES) and not model.training
     for row in rows[:4]:

@@ -228,9 +228,12 @@ class NaViTClassifier(L.LightningModule):
         trained = hydra.utils.get_class(config.pop("_target_"))
         if not issubclass(cls, trained):
             raise ConfigError(
-                f"{checkpoint_path} holds a {trained.__name__}, which {cls.__name__} does not derive from"
+                f"{checkpoint_path} holds a {trained.__name__}, which {cls.__name__} does not derive "
+                f"from: load it with {trained.__module__}.{trained.__qualname__}.load_from_checkpoint"
             )
-        if unknown := sorted(set(settings) - set(inspect.signature(cls).parameters)):
+        # a subclass's (*args, **kwargs) passes the trained class's settings on
+        accepted = {*inspect.signature(cls).parameters, *inspect.signature(trained).parameters}
+        if unknown := sorted(set(settings) - accepted):
             raise ConfigError(f"{', '.join(unknown)}: not settings of {cls.__name__}")
         model = cls(**hydra.utils.instantiate(config, _convert_="all"))
         model.on_load_checkpoint(checkpoint)

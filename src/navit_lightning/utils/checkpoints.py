@@ -10,6 +10,7 @@ import zipfile
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager, suppress
 from datetime import timedelta
+from importlib import import_module
 from pathlib import Path
 from typing import IO, Any
 
@@ -551,16 +552,19 @@ def data_for(cfg: DictConfig, run: DictConfig, given: Collection[str] = ()) -> D
     """eval.py's and predict.py's data: the training run's, with the data.* settings `given`
     on the command line laid over it (data.rows=4, +data.max_images_per_row=8), and with a
     data group chosen there (data=imagefolder data.root=...) its source too. A group of
-    another datamodule class is taken as it is."""
+    another datamodule class, neither derived from the other, is taken as it is."""
     data = cfg.get("data") or {}
     group = "_target_" in data
-    if group and data._target_ != run.data.get("_target_"):
+    derived = derived_target(data._target_, run.data.get("_target_")) if group else None
+    if group and derived is None:
         return data
     if group:  # its source, and what the command line set; unresolved (data.patch_size=${model...})
         chosen = OmegaConf.masked_copy(data, [key for key in data if key in SOURCE_SETTINGS or key in given])
     else:  # eval.yaml's and predict.yaml's data.* settings are null unless given
         chosen = {key: value for key, value in data.items() if value is not None}
     merged = OmegaConf.merge(run.data, chosen)
+    if group:  # the run's own datamodule, derived from the group's, takes the run's settings
+        merged._target_ = derived
     if "root" in chosen:  # resolved where the command's config can (data.root=${paths.data_dir}/x)
         merged.root = absolute_path(data.root)
         if not same_folder(merged.root, run.data.root) and "evaluate_all" not in given:
@@ -569,6 +573,24 @@ def data_for(cfg: DictConfig, run: DictConfig, given: Collection[str] = ()) -> D
             # the run's split (drawn from the images' paths within it).
             merged.evaluate_all = True
     return merged
+
+
+def derived_target(one: str, other: str | None) -> str | None:
+    """Of two _target_s, the one that derives from the other (a run trained on a datamodule of
+    one's own, derived from the project's, evaluated on data=imagefolder); None where
+    neither does."""
+    if one == other:
+        return one
+    try:
+        first, second = (
+            getattr(import_module(module), name)
+            for module, _, name in (str(target).rpartition(".") for target in (one, other))
+        )
+    except (ImportError, AttributeError, ValueError):
+        return None
+    if not (isinstance(first, type) and isinstance(second, type)):  # a factory function's
+        return None
+    return one if issubclass(first, second) else other if issubclass(second, first) else None
 
 
 def same_folder(one: str, other: str) -> bool:
