@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from navit_lightning import resolution
 from navit_lightning.data.datamodule import PackedImageDataModule
-from navit_lightning.lit_module import BatchCounts
+from navit_lightning.lit_module import BatchCounts, NaViTClassifier
 from navit_lightning.models import NaViT
 from navit_lightning.resolution import (
     BudgetResult,
@@ -24,6 +24,7 @@ from navit_lightning.resolution import (
     main,
     read_results,
     report,
+    why_no_budget_sweep,
 )
 from tests.conftest import TINY_RUN, TINY_SET, TINY_SPEC, bare_trainer, logged_scalars, run_folder
 
@@ -269,3 +270,24 @@ def test_curves_of_several_runs_in_one_figure(tmp_path):
         main([str(tmp_path / "unfinished.csv"), "--out", str(tmp_path / "x.png")])
     main([str(swept), "--out", str(tmp_path / "new" / "folder" / "one.png")])  # made, not a traceback
     assert (tmp_path / "new" / "folder" / "one.png").is_file()
+
+
+class OneLoaderValidation(NaViTClassifier):
+    """Lightning's documented two-argument validation_step."""
+
+    def validation_step(self, batch, batch_idx) -> None:
+        super().validation_step(batch, batch_idx)
+
+
+def test_a_sweep_that_classes_of_ones_own_cannot_run_is_named_before_the_fit():
+    """train.py's end-of-fit sweep failed after the whole fit with a traceback: a validation_step
+    without dataloader_idx, a datamodule without evaluate_at or longest_side."""
+    net = NaViT(patch_size=16, dim=32, depth=1, heads=2, max_grid=9)
+    model = NaViTClassifier(net, num_classes=3, optimizer=torch.optim.SGD)
+    packed = SimpleNamespace(evaluate_at=None, longest_side=None)  # what the sweep asks of it
+    assert why_no_budget_sweep(model, packed) is None
+    assert "SimpleNamespace has no evaluate_at or longest_side" in why_no_budget_sweep(
+        model, SimpleNamespace()
+    )
+    own = OneLoaderValidation(net, num_classes=3, optimizer=torch.optim.SGD)
+    assert "OneLoaderValidation.validation_step takes no dataloader_idx" in why_no_budget_sweep(own, packed)

@@ -21,6 +21,7 @@ from navit_lightning.resolution import (
     budgets_past_the_tables,
     counting,
     report,
+    why_no_budget_sweep,
 )
 from navit_lightning.utils.callbacks import UnreadableImageReport
 from navit_lightning.utils.checkpoints import (
@@ -74,6 +75,8 @@ def scores(
 ) -> dict[str, float]:
     """The checkpoint's accuracy on cfg.split, once or at each of cfg.patch_budgets."""
     if cfg.get("patch_budgets"):
+        if why := why_no_budget_sweep(model, datamodule):
+            raise ConfigError(f"patch_budgets: {why}; or leave patch_budgets out")
         datamodule.prepare_data()  # the run's built-in set may have to be made here first
         too_long = budgets_past_the_tables(list(cfg.patch_budgets), datamodule, model.net, cfg.split)
         if too_long:

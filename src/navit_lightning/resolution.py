@@ -16,6 +16,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from matplotlib.figure import Figure
 from matplotlib.ticker import ScalarFormatter
 
@@ -128,6 +129,20 @@ def accuracy_line(split: str, metrics: Mapping[str, float], evaluated: str) -> s
 
 # the Trainer stage that sets a split up, and the Trainer method that runs it
 SPLIT_STAGES = {"val": "validate", "test": "test", "predict": "predict"}
+
+
+def why_no_budget_sweep(model: L.LightningModule, datamodule: Any) -> str | None:
+    """Why `model` and `datamodule` (a user's own) cannot evaluate at several patch budgets,
+    a loader each; None where they can. Found before a fit: the sweep failed after it."""
+    missing = [name for name in ("evaluate_at", "longest_side") if not hasattr(datamodule, name)]
+    if missing:
+        return f"{type(datamodule).__name__} has no {' or '.join(missing)}, as PackedImageDataModule has"
+    if not is_param_in_hook_signature(model.validation_step, "dataloader_idx"):
+        return (
+            f"{type(model).__name__}.validation_step takes no dataloader_idx (a loader a budget): "
+            "add `dataloader_idx: int = 0`"
+        )
+    return None
 
 
 def budgets_past_the_tables(

@@ -25,6 +25,7 @@ from navit_lightning.resolution import (
     budgets_that_fit,
     counting,
     report,
+    why_no_budget_sweep,
 )
 from navit_lightning.utils.callbacks import StoreRunConfig
 from navit_lightning.utils.checkpoints import (
@@ -157,6 +158,10 @@ def fit_and_test(
     rank_zero_info(
         f"world size {trainer.world_size} ({trainer.num_nodes} node(s) x {trainer.num_devices} device(s))"
     )
+    budgets = list(cfg.get("patch_budgets") or [])
+    if budgets and (why := why_no_budget_sweep(model, datamodule)):
+        rank_zero_warn(f"patch_budgets skipped: {why}")
+        budgets = []
     ckpt_path = resume_from(cfg.get("ckpt_path"), trainer)
     if not cfg.train and ckpt_path is None:  # ckpt_path=last in a folder without one
         raise ConfigError(f"train=false tests ckpt_path={cfg.ckpt_path}, which names no checkpoint here")
@@ -193,7 +198,6 @@ def fit_and_test(
             metrics.update({name: float(value) for name, value in trainer.callback_metrics.items()})
             if "test/acc" in metrics:  # trainer.limit_test_batches=0 tests nothing
                 rank_zero_info(accuracy_line("test", metrics, tested or "the last weights"))
-        budgets = list(cfg.get("patch_budgets") or [])
         if budgets and trainer.limit_val_batches == 0:  # its validation would log no accuracy
             rank_zero_warn("patch_budgets skipped: trainer.limit_val_batches=0 evaluates no val batch")
             budgets = []
