@@ -330,6 +330,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatc
         ("foreign", "is not a checkpoint of navit_lightning's train.py"),
         ("weights alone", "is not a checkpoint of navit_lightning's train.py"),
         ("not a zip", "is not a checkpoint (not the zip archive"),  # "truncated or damaged"
+        ("empty", "is empty or truncated"),
     ],
 )
 def test_unusable_checkpoints_are_refused_with_the_fix(tmp_path, damage, said):
@@ -350,6 +351,8 @@ def test_unusable_checkpoints_are_refused_with_the_fix(tmp_path, damage, said):
         torch.save({"state_dict": {"w": weights}}, path)
     elif damage == "not a zip":
         path.write_text("hello")
+    elif damage == "empty":
+        path.write_bytes(b"")
     with pytest.raises(ConfigError, match=f"ckpt_path={path}") as refused:
         read_checkpoint(path)
     assert said in str(refused.value)

@@ -191,9 +191,12 @@ def shapes_datamodule(project_root: Path, **options) -> PackedImageDataModule:
     )
 
 
-def set_up_on_two_ranks(rank: int, roots: list[Path]) -> str:
-    """`rank`'s datamodule set up for a fit from roots[rank], as a ddp rank does."""
+def set_up_on_two_ranks(rank: int, roots: list[Path], early: bool = False) -> str:
+    """`rank`'s datamodule set up for a fit from roots[rank], as a ddp rank does; `early`: set
+    up before its trainer is attached too, as eval.py's budget check does."""
     datamodule = PackedImageDataModule(str(roots[rank]), patch_size=16, max_patches=36, num_workers=0)
+    if early:
+        datamodule.setup("fit")
     datamodule.trainer = SimpleNamespace(world_size=2, strategy=GlooStrategy())
     datamodule.setup("fit")
     return "set up"
@@ -210,10 +213,10 @@ def test_ranks_that_found_other_images_are_refused_together(tmp_path):
     (tmp_path / "node1-short" / "b" / "3.png").unlink()
     same = on_two_gloo_ranks(set_up_on_two_ranks, [tmp_path / "node0", tmp_path / "node1"])
     assert same == {0: "set up", 1: "set up"}
-    other = on_two_gloo_ranks(set_up_on_two_ranks, [tmp_path / "node0", tmp_path / "node1-short"])
-    assert set(other) == {0, 1} and all(
-        "the ranks found different images under" in said for said in other.values()
-    )
+    for early in (False, True):  # eval.py with patch_budgets set up early: it was not compared
+        other = on_two_gloo_ranks(set_up_on_two_ranks, [tmp_path / "node0", tmp_path / "node1-short"], early)
+        assert set(other) == {0, 1}
+        assert all("the ranks found different images under" in said for said in other.values())
 
 
 def test_the_longest_training_side_is_at_any_budget_the_policy_draws(tmp_path):

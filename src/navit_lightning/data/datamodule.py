@@ -194,6 +194,7 @@ class PackedImageDataModule(L.LightningDataModule):
                 "an image would not fit a row; raise data.row_len or lower data.max_patches"
             )
         self.datasets: dict[str, ImageFolder] = {}
+        self._compared_across_ranks = False  # see _refuse_other_images_on_other_ranks
         self.predict_paths: list[Path] = []
         self._indexed = False
         self._train_position: dict[str, Any] | None = None  # from a checkpoint, for train_dataloader
@@ -269,7 +270,8 @@ class PackedImageDataModule(L.LightningDataModule):
                 )
             self.datasets["predict"] = ImageFolder(images, self.patch_size)
             return
-        if self.datasets:
+        if self.datasets:  # set up before the trainer was attached (a budget check), maybe
+            self._refuse_other_images_on_other_ranks()
             return
         classes = self.class_names()
         manifest, layout = self._manifest()
@@ -321,8 +323,10 @@ class PackedImageDataModule(L.LightningDataModule):
         node's disk, a folder that changed while they started), their epoch plans did too,
         and they trained some images twice and others never, without a word."""
         trainer = self.trainer
-        if trainer is None or trainer.world_size < 2 or not torch.distributed.is_initialized():
-            return  # one process, or ddp_spawn's launching one: its ranks get these datasets
+        if self._compared_across_ranks or trainer is None or trainer.world_size < 2:
+            return
+        if not torch.distributed.is_initialized():
+            return  # ddp_spawn's launching process: its ranks compare what it sends them
         digest = b"".join(self.datasets[split].images.digest() for split in sorted(self.datasets)).hex()
         strategy = trainer.strategy
         if not strategy.reduce_boolean_decision(digest == strategy.broadcast(digest), all=True):
@@ -330,6 +334,7 @@ class PackedImageDataModule(L.LightningDataModule):
                 f"the ranks found different images under data.root={self.root} (copies on each node "
                 "that differ, or files that changed while the ranks started): give every rank the same images"
             )
+        self._compared_across_ranks = True
 
     def _manifest(self) -> tuple[Manifest, dict[str, str]]:
         """root's manifest and which of its folders holds each split (split_layout)."""

@@ -347,12 +347,18 @@ def read_checkpoint(
             f"{key}={path} {what}: pass a run's checkpoint file, e.g. {CKPT_PATH_EXAMPLE}"
             + (" (train.py also takes ckpt_path=last)" if key == "ckpt_path" else "")
         )
-    with open(path, "rb") as file:
-        if file.read(4) != b"PK\x03\x04":  # a truncated one starts as torch.save wrote it
-            raise ConfigError(
-                f"{key}={path} is not a checkpoint (not the zip archive torch.save writes): pass one "
-                "from logs/<task>/runs/<run>/checkpoints/"
-            )
+    try:
+        with open(path, "rb") as file:
+            start = file.read(4)
+    except OSError as error:
+        raise ConfigError(f"{key}={path} cannot be read ({error.strerror}): check its permissions") from None
+    if len(start) < 4:
+        raise ConfigError(f"{key}={path} is empty or truncated: use another checkpoint")
+    if start != b"PK\x03\x04":  # a truncated one starts as torch.save wrote it
+        raise ConfigError(
+            f"{key}={path} is not a checkpoint (not the zip archive torch.save writes): pass one "
+            "from logs/<task>/runs/<run>/checkpoints/"
+        )
     try:
         with zipfile.ZipFile(path) as archive:
             broken = archive.testzip()
