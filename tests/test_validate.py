@@ -253,6 +253,8 @@ def counted(function, calls: list):
         (0, ["ckpt_path=best", "train=false"]),
         # no warm-up (the Optuna search's first value) and a decay to 0 are schedules too
         (0, ["scheduler.warmup_steps=0", "scheduler.min_lr_ratio=0"]),
+        # a model config of one's own without it: NaViT's default (a ConfigAttributeError)
+        (0, ["~model.net.attention"]),
     ],
 )
 def test_allowed(monkeypatch, gpus, overrides):

@@ -224,7 +224,9 @@ def predict(cfg: DictConfig) -> Path:
     run, class_names = load_training_run(cfg.ckpt_path)  # a wrong one refused before a long listing
     check_run_attention(cfg, run)
     paths = image_files(Path(cfg.input).expanduser())
-    data = OmegaConf.merge(data_for(cfg, run, data_keys_given()), {"generate": None})  # nothing to generate
+    data = data_for(cfg, run, data_keys_given())
+    if "generate" in data:  # nothing to generate (a datamodule of one's own may take no such key)
+        data = OmegaConf.merge(data, {"generate": None})
     output = Path(cfg.paths.output_dir) / "predictions.csv"
     writer = PredictionWriter(
         output, paths, class_names or numbered_classes(run.model.num_classes), cfg.top_k

@@ -131,7 +131,8 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
         check_training_numbers(trainer)
         check_optimization(cfg.model)
         check_fused_optimizer(cfg)
-        check_attention(cfg.model.net.attention, on_gpu, str(trainer.precision))
+        # NaViT's default where a model config of one's own leaves it out
+        check_attention(cfg.model.net.get("attention", "auto"), on_gpu, str(trainer.precision))
         check_lr_scaling(cfg.model.get("lr_scaling"), cfg.model.get("lr_reference_tokens", 1))
         # named here: the data module, built first, would name data.patch_size, which follows it
         require_counts("model.net", patch_size=cfg.model.net.patch_size)
