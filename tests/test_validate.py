@@ -496,6 +496,22 @@ def test_bf16_on_a_cpu_without_bf16_instructions_is_warned_about(monkeypatch, re
         (["+trainer.epochs=3"], "trainer: Trainer.__init__() got an unexpected keyword argument 'epochs'"),
         (["model.net.depth=2.5"], "model.net.depth=2.5 must be a whole number above 0"),
         (["+model.net.dpeth=2"], "model.net: NaViT.__init__() got an unexpected keyword argument 'dpeth'"),
+        (  # a config of one's own in Hydra's form, as for anything else it builds
+            ["optimizer._partial_=false"],
+            "optimizer: AdamW.__init__() missing 1 required positional argument: 'params': add "
+            "`_partial_: true` to its config, the model passes its parameters when it builds it",
+        ),
+        (
+            ["model.net._target_=navit_lightning.models.NaVit"],
+            "model.net._target_=navit_lightning.models.NaVit cannot be imported: ModuleNotFoundError("
+            "\"No module named 'navit_lightning.models.NaVit'\"); Are you sure that 'NaVit' is "
+            "importable from module 'navit_lightning.models'?",
+        ),
+        (
+            ["data._target_=my_project.Data"],
+            'data._target_=my_project.Data cannot be imported: ModuleNotFoundError("No module named '
+            "'my_project'\"); Are you sure that module 'my_project' is installed?",
+        ),
         (
             ["callbacks.resume_checkpoint.every_n_train_steps=500"],
             "callbacks.resume_checkpoint: Combination of parameters every_n_train_steps=500, "

@@ -30,6 +30,8 @@ from navit_lightning.utils.launch import in_sweep, quiet_rank_overrides
 from navit_lightning.utils.shutdown import JobFailed, end_promptly_on_signals, job_end
 
 T = TypeVar("T")
+# the config groups the model instantiates with arguments of its own, and those arguments
+BUILT_BY_THE_MODEL = {"optimizer": "its parameters", "scheduler": "the optimizer and the run's steps"}
 
 
 def launch(hydra_main: Callable[[], Any]) -> None:
@@ -226,6 +228,16 @@ def refusal(error: Exception) -> str | None:
     key = re.search(r"^full_key: (\S+)", str(error), re.MULTILINE)
     if key is None:
         return None
+    if isinstance(cause, ImportError):  # Hydra's own, for a _target_ it could not import
+        target = re.search(r"Error locating target '([^']*)'", str(error))
+        why = "; ".join(str(cause).splitlines()[1:])
+        return f"{key[1]}._target_={target[1] if target else '?'} cannot be imported: {why}"
+    group = key[1].rsplit(".", 1)[-1]
+    if group in BUILT_BY_THE_MODEL and isinstance(cause, TypeError) and "required positional" in str(cause):
+        return (
+            f"{key[1]}: {cause}: add `_partial_: true` to its config, the model passes "
+            f"{BUILT_BY_THE_MODEL[group]} when it builds it"
+        )
     # Lightning's refusals of arguments (a callback's too), a keyword no constructor takes
     # (+data.rowz=3), and whatever the Trainer's constructor raises: it only checks them.
     trainer = key[1].split(".")[0] == "trainer"
