@@ -228,10 +228,11 @@ def refusal(error: Exception) -> str | None:
     key = re.search(r"^full_key: (\S+)", str(error), re.MULTILINE)
     if key is None:
         return None
-    if isinstance(cause, ImportError):  # Hydra's own, for a _target_ it could not import
-        target = re.search(r"Error locating target '([^']*)'", str(error))
+    # Hydra's own, for a _target_ it could not import (not a constructor's ImportError)
+    unlocated = re.match(r"Error locating target '([^']*)'", str(error))
+    if unlocated and isinstance(cause, ImportError):
         why = "; ".join(str(cause).splitlines()[1:])
-        return f"{key[1]}._target_={target[1] if target else '?'} cannot be imported: {why}"
+        return f"{key[1]}._target_={unlocated[1]} cannot be imported: {why}"
     group = key[1].rsplit(".", 1)[-1]
     if group in BUILT_BY_THE_MODEL and isinstance(cause, TypeError) and "required positional" in str(cause):
         return (
