@@ -90,6 +90,8 @@ def test_predicted_classes_are_those_eval_counts_and_python_sees(run_entry_point
     checkpoint = io.BytesIO(trained.read_bytes())
     tuned = Tuned.load_from_checkpoint(checkpoint, map_location={}, compile=False, smoothing=0.1)
     assert type(tuned) is Tuned and tuned.smoothing == 0.1  # its settings and the trained class's
+    with pytest.raises(TypeError, match="cannot be called on an instance"):  # as Lightning's
+        tuned.load_from_checkpoint(trained)  # would return another model, this one unchanged
     max_patches = torch.load(trained, weights_only=True)["run_config"]["data"]["max_patches"]
     assert model.class_names == sorted(CLASSES) and not model.training
     for row in rows[:4]:

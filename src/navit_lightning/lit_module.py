@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.model_helpers import _restricted_classmethod
 from omegaconf import OmegaConf
 from torch import nn
 from torchmetrics import MaxMetric, Metric
@@ -201,7 +202,7 @@ class NaViTClassifier(L.LightningModule):
         self._saved_schedule: dict | None = None
         self._resumed_at: ResumePoint | None = None
 
-    @classmethod
+    @_restricted_classmethod  # Lightning's: on an instance it would not load into it
     def load_from_checkpoint(  # type: ignore[override]
         cls,
         checkpoint_path: str | Path | IO[bytes],
