@@ -5,12 +5,14 @@ import re
 import traceback
 
 import hydra
+import lightning as L
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import InstantiationException
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.demos.boring_classes import BoringModel
+from omegaconf import open_dict
 from torch.multiprocessing.spawn import ProcessRaisedException
 
 from navit_lightning import CONFIG_DIR
@@ -20,10 +22,12 @@ from navit_lightning.errors import ConfigError
 from navit_lightning.eval import evaluate
 from navit_lightning.predict import predict
 from navit_lightning.strategies import HydraDDPStrategy
+from navit_lightning.train import build
 from navit_lightning.utils import checkpoints, validate
 from navit_lightning.utils.entry_point import refusal, refuse_null_groups, refuse_two_modes
 from navit_lightning.utils.validate import check_launch
 from tests.conftest import TINY_RUN, bare_trainer
+from tests.test_configs import compose_train
 
 
 def config(*overrides: str):
@@ -708,3 +712,45 @@ def test_an_unknown_strategy_option_is_refused_with_the_options(run_entry_point)
     result = run_entry_point("train.py", "strategy=foo", check=False)
     assert result.returncode != 0
     assert "Could not find 'strategy/foo'" in result.stderr and "ddp_spawn" in result.stderr
+
+
+class PlainModule(L.LightningModule):
+    """A module of one's own that is no NaViTClassifier, taking the model config's settings."""
+
+    def __init__(self, **settings: object) -> None:
+        super().__init__()
+
+
+class DataWithoutNames(L.LightningDataModule):
+    """A datamodule of one's own that counts its classes but does not name them."""
+
+    def __init__(self, **settings: object) -> None:
+        super().__init__()
+        self.num_classes = 6
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            [f"model._target_={__name__}.PlainModule"],
+            f"model._target_={__name__}.PlainModule is no NaViTClassifier: the callbacks and the "
+            "end-of-fit sweep read what it keeps",
+        ),
+        (
+            [f"data._target_={__name__}.DataWithoutNames"],
+            f"data._target_={__name__}.DataWithoutNames has no class_names: a datamodule gives the "
+            "number of classes (num_classes) and their names (class_names(), a list)",
+        ),
+    ],
+)
+def test_a_module_of_ones_own_is_refused_where_it_lacks_what_the_entry_points_read(
+    tmp_path, project_root, overrides, message
+):
+    """They failed with a traceback where they were first read: a datamodule's class names
+    at the build, a module's batch counts in the callbacks after the first step."""
+    cfg = compose_train([*TINY_RUN, *overrides], tmp_path, project_root)
+    with open_dict(cfg):
+        del cfg.hydra  # as a run's config holds none
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        build(cfg)

@@ -35,7 +35,12 @@ from navit_lightning.utils.checkpoints import (
     resume_epoch_ends_as_ended,
 )
 from navit_lightning.utils.entry_point import launch, log_config, run_task
-from navit_lightning.utils.instantiate import absolute_path, instantiate_group, switched_on
+from navit_lightning.utils.instantiate import (
+    absolute_path,
+    instantiate_datamodule,
+    instantiate_group,
+    switched_on,
+)
 from navit_lightning.utils.loggers import finish_loggers, instantiate_loggers, loggers_closed_on_failure
 from navit_lightning.utils.shutdown import (
     StopTogetherOnSigterm,
@@ -66,10 +71,16 @@ def build(
     if cfg.data.get("root") is not None:
         with open_dict(cfg):  # as the checkpoints store it: eval.py elsewhere reads the same folder
             cfg.data.root = absolute_path(cfg.data.root)
-    datamodule: L.LightningDataModule = hydra.utils.instantiate(cfg.data)
+    datamodule = instantiate_datamodule(cfg.data)
     with open_dict(cfg):
         cfg.model.num_classes = datamodule.num_classes
     model: L.LightningModule = hydra.utils.instantiate(cfg.model)
+    if not isinstance(model, NaViTClassifier):
+        raise ConfigError(
+            f"model._target_={cfg.model._target_} is no NaViTClassifier: the callbacks and the "
+            "end-of-fit sweep read what it keeps (its network, batch counts, best accuracy); "
+            "subclass navit_lightning.lit_module.NaViTClassifier and override its steps"
+        )
     run_config = OmegaConf.to_container(cfg, resolve=True)
     callbacks = [
         *switched_on(cfg.trainer, instantiate_group(cfg.get("callbacks"))),
@@ -77,7 +88,7 @@ def build(
         StopTogetherOnSigterm(),
         *extra_callbacks,
     ]
-    if cfg.train and isinstance(model, NaViTClassifier):  # a module of the user's own lists none
+    if cfg.train:
         # what the model logs, and the callbacks that say what they log
         logged = [
             part.monitorable_metrics() for part in (model, *callbacks) if hasattr(part, "monitorable_metrics")

@@ -25,7 +25,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from navit_lightning.errors import ConfigError, OutputError
-from navit_lightning.utils.instantiate import absolute_path, dotted_settings, switched_on
+from navit_lightning.utils.instantiate import (
+    absolute_path,
+    dotted_settings,
+    instantiate_datamodule,
+    switched_on,
+)
 from navit_lightning.utils.loggers import instantiate_loggers
 from navit_lightning.utils.shutdown import is_explained_elsewhere
 
@@ -656,7 +661,7 @@ def build_from_checkpoint(
             f"data.patch_size={data.patch_size} given: the checkpoint's network takes patches of "
             f"{patch_size} px (model.net.patch_size); leave data.patch_size out"
         )
-    datamodule = hydra.utils.instantiate(data)
+    datamodule = instantiate_datamodule(data)
     model = hydra.utils.instantiate(cfg.model)
     trainer = hydra.utils.instantiate(
         cfg.trainer,

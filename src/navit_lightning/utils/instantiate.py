@@ -7,8 +7,11 @@ import os
 from typing import Any
 
 import hydra
+import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, ProgressBar
 from omegaconf import DictConfig
+
+from navit_lightning.errors import ConfigError
 
 # The Trainer flags that switch a kind of callback off, and the kind
 SWITCHES = {
@@ -16,6 +19,19 @@ SWITCHES = {
     "enable_progress_bar": ProgressBar,
     "enable_model_summary": ModelSummary,
 }
+
+
+def instantiate_datamodule(data: DictConfig) -> L.LightningDataModule:
+    """The datamodule `data` describes. One of the user's own must give what the entry points
+    read of it besides Lightning's hooks: without it, a traceback where it was first read."""
+    datamodule = hydra.utils.instantiate(data)
+    if missing := [name for name in ("num_classes", "class_names") if not hasattr(datamodule, name)]:
+        raise ConfigError(
+            f"data._target_={data._target_} has no {' or '.join(missing)}: a datamodule gives the "
+            "number of classes (num_classes) and their names (class_names(), a list), as "
+            "navit_lightning.data.datamodule.PackedImageDataModule does"
+        )
+    return datamodule
 
 
 def instantiate_group(group: DictConfig | None) -> list[Any]:

@@ -300,7 +300,8 @@ def check_monitors(callbacks: DictConfig | None, monitorable: set[str]) -> None:
         if monitor is not None and monitor not in monitorable:
             raise ConfigError(
                 f"callbacks.{name}.monitor={monitor} is not a metric the model logs: "
-                f"use one of {', '.join(sorted(monitorable))}"
+                f"use one of {', '.join(sorted(monitorable))} (a model of your own names the "
+                "metrics it logs in its monitorable_metrics())"
             )
 
 
