@@ -213,8 +213,8 @@ class PlanStats(NamedTuple):
     batches: int
     images_per_batch: float
     fill: float  # real tokens / (rows x row_len), over all the batches
-    fill_but_last: float  # the same without the epoch's last batch, which takes what is left
-    epoch_images: int  # of every rank's batches
+    fill_but_last: float  # without the filler batches and the last, which takes what is left
+    epoch_images: int
 
 
 class PackedBatchSampler(Sampler[list[SampleKey]]):
@@ -305,20 +305,18 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
         self._resume_at = (epoch, done)
 
     def plan_stats(self) -> PlanStats:
-        """This rank's batches of the current epoch: how many, how many images, how full; and
-        the images of the epoch on all ranks."""
+        """The current epoch's plan, the same on every rank: its batches on each rank, and
+        over every rank's batches (a rank's filler batch holds no image) how many images
+        they hold and how full they are."""
         plan = self._epoch_plan()
-        mine = self._rank_batches()
-        real = plan.batches.sums(plan.keys.keep)[mine]
-        tokens = np.zeros(len(self))  # (batches of this rank,) its filler batches hold none
-        tokens[: len(real)] = real
-        images = int(np.diff(plan.batches.bounds)[mine].sum())
+        dealt = max(1, len(self) * self.num_replicas)
+        real = plan.batches.sums(plan.keys.keep)  # (batches of the plan,) tokens
         capacity = self.shape.rows * self.shape.row_len
-        but_last = tokens[:-1] if len(tokens) > 1 else tokens
+        but_last = real[:-1] if len(real) > 1 else real
         return PlanStats(
-            len(tokens),
-            images / max(1, len(tokens)),
-            float(tokens.sum()) / (max(1, len(tokens)) * capacity),
+            len(self),
+            len(plan.batches.images) / dealt,
+            float(real.sum()) / (dealt * capacity),
             float(but_last.sum()) / (max(1, len(but_last)) * capacity),
             len(plan.batches.images),
         )
