@@ -131,6 +131,11 @@ def as_run_here(command: str, run: str, images: Path) -> tuple[str, Path | None]
         return f"{filled} tests/test_packing.py", REPO
     if filled == "make lint":
         return filled, REPO
+    if filled == "make clean":  # the runs stay: it removed logs/ with every checkpoint
+        return (
+            "mkdir -p logs/train .pytest_cache && make clean && test -d logs/train && ! test -e .pytest_cache",
+            "clone",
+        )
     if filled == ".venv/bin/pre-commit install":  # into a clone: the checkout's hooks stay as they are
         return filled, "clone"
     if filled == ".venv/bin/tensorboard --logdir logs/":  # a server: read the logs once and exit
