@@ -1,9 +1,5 @@
 """Runs navit_lightning.predict from the repository root: python predict.py [overrides]."""
 
-import os
-
-os.environ.setdefault("PROJECT_ROOT", os.path.dirname(os.path.abspath(__file__)))
-
 # Imported under the guard: multiprocessing runs this file again in the loader workers'
 # server and in ddp_spawn's ranks, which import what they need themselves.
 if __name__ == "__main__":

@@ -16,9 +16,10 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 from navit_lightning.errors import ConfigError
+from navit_lightning.utils import entry_point
 from navit_lightning.utils.callbacks import StopEarly
 from navit_lightning.utils.entry_point import files_from_the_command_folder, tidy_lightning_output
-from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, TINY_SET, logged_scalars, run_folder
+from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, TINY_SET, logged_scalars, run_folder, run_whole
 from tests.test_configs import compose_train
 from tests.test_lit_module import bare_trainer, make_batch, make_model
 
@@ -95,6 +96,32 @@ def test_an_empty_path_or_a_null_one_the_command_needs_is_refused(settings, from
     cfg = OmegaConf.create(settings)
     with pytest.raises(ConfigError, match=re.escape(refusal)) if refusal else contextlib.nullcontext():
         files_from_the_command_folder(cfg, from_checkpoint)
+
+
+@pytest.mark.parametrize("started_as", ["symlink", "module"])
+def test_runs_go_under_the_checkout_however_train_py_is_started(tmp_path, started_as):
+    """From another folder, through a symlink to train.py (logs and a second copy of the data
+    set went into the symlink's folder) or as python -m (into the working folder)."""
+    (tmp_path / "train.py").symlink_to(REPO / "train.py")
+    command = ["train.py"] if started_as == "symlink" else ["-m", "navit_lightning.train"]
+    env = {key: value for key, value in os.environ.items() if key != "PROJECT_ROOT"}
+    result = run_whole(
+        [sys.executable, *command, "--cfg", "job", "--resolve", "--package", "paths"],
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    paths = OmegaConf.create(result.stdout.split("\n", 1)[1])  # after its "# @package" line
+    assert (paths.data_dir, paths.log_dir) == (str(REPO / "data"), str(REPO / "logs"))
+
+
+def test_an_installed_copy_without_the_checkouts_configs_says_so(monkeypatch):
+    """pip install . (not -e) copies the package alone: Hydra's "Primary config directory
+    not found", or a traceback for --help."""
+    monkeypatch.setattr(entry_point, "CONFIG_DIR", "/nowhere/configs")
+    with pytest.raises(SystemExit, match=re.escape("the Hydra configs are not at /nowhere/configs: ")):
+        entry_point.launch(lambda: None)
 
 
 def test_train_then_eval_reports_accuracy(run_entry_point):

@@ -133,7 +133,8 @@ def as_run_here(command: str, run: str, images: Path) -> tuple[str, Path | None]
         return filled, REPO
     if filled == "make clean":  # the runs stay: it removed logs/ with every checkpoint
         return (
-            "mkdir -p logs/train .pytest_cache && make clean && test -d logs/train && ! test -e .pytest_cache",
+            "mkdir -p logs/train .pytest_cache && make clean "
+            "&& test -d logs/train && ! test -e .pytest_cache",
             "clone",
         )
     if filled == ".venv/bin/pre-commit install":  # into a clone: the checkout's hooks stay as they are

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from navit_lightning import CONFIG_DIR
+from navit_lightning import CONFIG_DIR, default_project_root
 
 
 def train_config(overrides: list[str]) -> DictConfig:
-    """train.py's config with `overrides`, its paths under the repository root unless
-    PROJECT_ROOT says otherwise (as the train.py shim sets it)."""
-    os.environ.setdefault("PROJECT_ROOT", str(Path(CONFIG_DIR).parent))
+    """train.py's config with `overrides`, its paths where train.py's would be."""
+    default_project_root()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return compose("train", overrides=overrides)
 

@@ -1,7 +1,7 @@
 """Other NaViT implementations as the attention benchmark's peers, at equal architecture on
 the same images, each fed the way its users feed it:
 
-- vit-pytorch's NaViT (`pip install --no-deps vit-pytorch`, the `bench` extra): a list of
+- vit-pytorch's NaViT (`pip install --no-deps vit-pytorch`, pinned in the Makefile): a list of
   image tensors, packed by its own greedy grouping into rows of `group_max_seq_len` tokens,
   rows padded to the longest, a dense [L, L] block mask. Its package `__init__` imports
   torchvision (broken next to a CPU torch build, FACTS.md), so `na_vit.py` is loaded by path.
@@ -31,7 +31,9 @@ def load_vit_pytorch_navit() -> ModuleType:
     """vit_pytorch/na_vit.py as a module of its own, without the package's __init__."""
     spec = importlib.util.find_spec("vit_pytorch")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError("vit-pytorch is not installed: pip install --no-deps vit-pytorch (the bench extra)")
+        raise ImportError(
+            "vit-pytorch is not installed: pip install --no-deps vit-pytorch==1.26.11 (as make setup does)"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / "na_vit.py"
     module_spec = importlib.util.spec_from_file_location("vit_pytorch_na_vit", path)
     module = importlib.util.module_from_spec(module_spec)

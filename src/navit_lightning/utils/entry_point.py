@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 from torch.multiprocessing.spawn import ProcessRaisedException
 
-from navit_lightning import CONFIG_DIR
+from navit_lightning import CONFIG_DIR, default_project_root
 from navit_lightning.errors import ConfigError, DataError, OutputError
 from navit_lightning.utils.checkpoints import LIGHTNING_CKPT_NAMES
 from navit_lightning.utils.instantiate import absolute_path
@@ -38,6 +38,12 @@ def launch(hydra_main: Callable[[], Any]) -> None:
     """An entry point's main(): every rank ends promptly on a signal; under torchrun or SLURM,
     where every process runs Hydra itself, the .hydra folder and the log file are left to
     the first (see utils/launch.py)."""
+    if not Path(CONFIG_DIR).is_dir():  # pip install . copies the package, not the checkout's configs
+        sys.exit(
+            f"error: the Hydra configs are not at {CONFIG_DIR}: navit-lightning runs from its "
+            "checkout; install it with pip install -e . there"
+        )
+    default_project_root()
     end_promptly_on_signals()
     refuse_two_modes(sys.argv[1:])
     refuse_null_groups(sys.argv[1:])

@@ -67,4 +67,4 @@ def absolute_path(path: object) -> str:
     the run's folder (hydra.job.chdir=true); a URL (s3://...) as it is. Hydra reads a folder
     named 2024 as a number."""
     text = str(path)
-    return text if "://" in text else hydra.utils.to_absolute_path(os.path.expanduser(text))
+    return text if "://" in text else os.path.normpath(hydra.utils.to_absolute_path(os.path.expanduser(text)))
