@@ -601,20 +601,25 @@ def test_a_checkpoint_at_the_end_of_an_epoch_cut_short_by_limit_train_batches_is
     project_root,
 ):
     """Lightning's count of the epoch's batches reaches trainer.num_training_batches, short of
-    the plan: read as mid-epoch, the resume would have trained the rest of that epoch."""
+    the plan: read as mid-epoch, the resume would have trained the rest of that epoch. Ended
+    by the trainer once it counts the epoch processed (its validation run)."""
     datamodule = shapes_datamodule(project_root, num_workers=0)
     datamodule.setup("fit")
     loader = datamodule.train_dataloader()
-    progress = SimpleNamespace(processed=1)
+    progress, epochs = SimpleNamespace(processed=1), SimpleNamespace(processed=0)
     datamodule.trainer = SimpleNamespace(
         num_training_batches=2,
         fit_loop=SimpleNamespace(
-            epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(current=progress))
+            epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(current=progress)),
+            epoch_progress=SimpleNamespace(current=epochs),
         ),
     )
     assert loader.state_dict()["batches_done"] == 1
     progress.processed = 2
-    assert loader.state_dict()["batches_done"] == len(loader.batch_sampler) > 2
+    position = loader.state_dict()
+    assert position["batches_done"] == len(loader.batch_sampler) > 2 and not position["epoch_ended"]
+    epochs.processed = 1
+    assert loader.state_dict()["epoch_ended"]
 
 
 @pytest.mark.parametrize(

@@ -370,33 +370,33 @@ def test_an_epoch_interrupted_and_resumed_sees_every_image_once(world, stop):
     assert [list(sampler) for sampler in resumed] == rank_batches(sizes, world, epoch=3)
 
 
-def test_a_position_at_the_end_of_an_epoch_starts_the_next_one():
+@pytest.mark.parametrize("running_world", [1, 2])
+@pytest.mark.parametrize("ended", [True, False])
+def test_a_position_at_the_end_of_an_epoch_resumes_on_any_number_of_ranks(running_world, ended):
+    """Ended by the trainer, it resumes into the next epoch. Not ended (a stop in its last
+    validation, which Lightning runs again and then ends the epoch), it gives no batch and
+    keeps the epoch's length: it had the next epoch's plan, of another length, and Lightning
+    trained its first batches as the rest. Its batches_done is each rank's count, as is
+    batches_per_rank: were that the whole plan's, the epoch would read as unfinished, and
+    train.py (which asks before the ranks start) and every rank would refuse another rank
+    count."""
     sizes = image_sizes(300)
-    (running,) = samplers(sizes, 1)
-    running.sampler.set_epoch(4)
-    position = running.position(len(running))
-    for world in (1, 2):  # another rank count is fine between epochs
-        resumed = samplers(sizes, world)
-        for sampler in resumed:
-            sampler.resume(position)
-        assert [list(sampler) for sampler in resumed] == rank_batches(sizes, world, epoch=5)
-
-
-def test_an_epoch_end_position_of_several_ranks_resumes_on_any_number_of_them():
-    """Its batches_done is each rank's count, as is batches_per_rank: were that the whole plan's,
-    the epoch would read as unfinished, and train.py (which asks before the ranks start) and
-    every rank would refuse another rank count."""
-    sizes = image_sizes(300)
-    running = samplers(sizes, 2)
+    running = samplers(sizes, running_world)
     for sampler in running:
-        sampler.sampler.set_epoch(4)
-    position = running[0].position(len(running[0]))
+        sampler.sampler.set_epoch(5)
+    position = running[0].position(len(running[0]), epoch_ended=ended)
+    assert len(rank_batches(sizes, running_world, epoch=6)[0]) != position["batches_per_rank"]
     for world in (1, 2, 3):
         refuse_other_ranks(position, world)
-        resumed = samplers(sizes, world)
+        resumed = samplers(sizes, world)  # new processes: their samplers start at epoch 0
         for sampler in resumed:
             sampler.resume(position)
-        assert [list(sampler) for sampler in resumed] == rank_batches(sizes, world, epoch=5)
+        if not ended:
+            assert all(list(sampler) == [] for sampler in resumed)
+            assert all(len(sampler) == position["batches_per_rank"] for sampler in resumed)
+            for sampler in resumed:
+                sampler.sampler.set_epoch(6)  # as Lightning sets it when it starts the next
+        assert [list(sampler) for sampler in resumed] == rank_batches(sizes, world, epoch=6)
 
 
 def test_the_fill_of_a_one_batch_epoch_but_its_last_batch_is_that_batchs():

@@ -65,9 +65,16 @@ class TrainLoader(NamingLoader):
     training step finished on every rank, which `batches_done` reports. The loader cannot
     count them itself: its workers and Lightning's fetcher read batches ahead."""
 
-    def __init__(self, *args: Any, batches_done: Callable[[], int | None], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        batches_done: Callable[[], int | None],
+        epochs_ended: Callable[[], int],
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.batches_done = batches_done
+        self.epochs_ended = epochs_ended
 
     def __iter__(self) -> Iterator[Any]:
         # Lightning calls iter() twice at the start of every epoch after the first (FitLoop.
@@ -80,8 +87,11 @@ class TrainLoader(NamingLoader):
         return started_at_first_batch()
 
     def state_dict(self) -> dict[str, Any]:
-        done = self.batches_done()  # None: the epoch is over
-        return self.batch_sampler.position(len(self.batch_sampler) if done is None else done)
+        sampler = self.batch_sampler
+        done = self.batches_done()  # None: every batch of the epoch
+        if done is None:
+            return sampler.position(len(sampler), epoch_ended=self.epochs_ended() > sampler.sampler.epoch)
+        return sampler.position(done)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.batch_sampler.resume(state_dict)
@@ -439,7 +449,12 @@ class PackedImageDataModule(L.LightningDataModule):
             persistent_workers=keep_workers and workers > 0,
         )
         if split == "train":
-            return TrainLoader(self.datasets[split], batches_done=self._train_batches_done, **options)
+            return TrainLoader(
+                self.datasets[split],
+                batches_done=self._train_batches_done,
+                epochs_ended=self._train_epochs_ended,
+                **options,
+            )
         return NamingLoader(self.datasets[split], **options)
 
     def _train_batches_done(self) -> int | None:
@@ -451,6 +466,11 @@ class PackedImageDataModule(L.LightningDataModule):
             return 0
         done = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
         return None if done >= self.trainer.num_training_batches else done
+
+    def _train_epochs_ended(self) -> int:
+        """The epochs the trainer has ended (their validation and epoch-end work run): the
+        number of the epoch it plans next, which it sets the sampler's to."""
+        return self.trainer.fit_loop.epoch_progress.current.processed if self.trainer else 0
 
     def _num_workers(self) -> int:
         if self.num_workers is not None:

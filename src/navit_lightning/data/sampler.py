@@ -252,6 +252,7 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
         self.sampler = EpochOrder(len(self.sizes), shuffle, seed)  # Lightning calls set_epoch on it
         self._plan: _EpochPlan | None = None
         self._resume_at: tuple[int, int] | None = None  # (epoch, batches to skip)
+        self._resumed_over: tuple[int, int] | None = None  # (epoch, batches per rank): see resume
 
     def _epoch_plan(self) -> _EpochPlan:
         epoch = self.sampler.epoch
@@ -269,33 +270,50 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
         # The batches are chosen here, not as the iterator advances: Lightning sets the epoch
         # after the loader's iterator exists (FitLoop.setup_data before on_advance_start).
         # A DataLoader calls iter() twice for one pass: the skip holds for the whole epoch.
+        if self._resumed_over_length() is not None:
+            return iter(())
         if self._resume_at is not None and self._resume_at[0] != self.sampler.epoch:
             self._resume_at = None
         start = self._resume_at[1] if self._resume_at else 0
         return _dealt(self._epoch_plan(), self._rank_batches(), start, len(self))
 
     def __len__(self) -> int:
-        return -(-len(self._epoch_plan().batches) // self.num_replicas)
+        over = self._resumed_over_length()
+        return over if over is not None else -(-len(self._epoch_plan().batches) // self.num_replicas)
 
-    def position(self, batches_done: int) -> dict[str, Any]:
+    def _resumed_over_length(self) -> int | None:
+        """The current epoch's batches per rank where it was resumed after its last batch."""
+        over = self._resumed_over
+        return over[1] if over is not None and over[0] == self.sampler.epoch else None
+
+    def position(self, batches_done: int, epoch_ended: bool = False) -> dict[str, Any]:
         """Where training is: `batches_done` of this epoch's batches on every rank (the same
-        count on all of them), and what identifies the plan they came from."""
+        count on all of them), what identifies the plan they came from, and whether the
+        trainer has ended the epoch (after its batches, its validation may be to come)."""
         return {
             "epoch": self.sampler.epoch,
             "batches_done": batches_done,
             "batches_per_rank": len(self),
             "ranks": self.num_replicas,
             "plan": self._epoch_plan().digest,
+            "epoch_ended": epoch_ended,
         }
 
     def resume(self, position: Mapping[str, Any]) -> None:
         """Continue from `position` (see `position`): the rest of its epoch, or the next
-        epoch if it was over. Mid-epoch, the plan and the rank count must be the same."""
+        epoch where the trainer had ended it. Mid-epoch, the plan and the rank count must be
+        the same. An epoch whose batches are done but which the trainer had not ended (a
+        stop in its last validation, which Lightning runs again) gives no batch and keeps
+        its length: the next epoch's plan was taken for its rest, whose first batches were
+        trained twice where the two plans' lengths differed."""
         epoch, done = position["epoch"], position["batches_done"]
-        if done >= position["batches_per_rank"]:
-            self.sampler.set_epoch(epoch + 1)
+        if done >= position["batches_per_rank"] and position.get("epoch_ended", True):
+            self.sampler.set_epoch(epoch + 1)  # (positions saved before the key: an epoch's end)
             return
         self.sampler.set_epoch(epoch)
+        if done >= position["batches_per_rank"]:
+            self._resumed_over = (epoch, position["batches_per_rank"])
+            return
         refuse_other_ranks(position, self.num_replicas)
         if position["plan"] != self._epoch_plan().digest:
             raise DataError(
