@@ -2,6 +2,7 @@
 ckpt_path=last."""
 
 import logging
+import math
 import os
 import pickle
 import re
@@ -477,7 +478,9 @@ def test_an_error_or_a_signal_mid_epoch_leaves_last_ckpt_at_that_step(run_entry_
     # Under ddp only the last rank gets SIGTERM, and every rank stops before step 3. Lightning's
     # own handling left them in different collectives until the watchdog stopped them.
     exception = "SIGTERMException" if how == "sigterm" else "RuntimeError"
-    said = f"stopped at step 3 ({exception}): saved {checkpoints / 'last.ckpt'}, which ckpt_path=last"
+    said = f"stopped at step 3 ({exception}): saved {checkpoints / 'last.ckpt'}, which "
+    # the folder too: ckpt_path=last alone started a new run folder, and found no checkpoint
+    said += f"ckpt_path=last hydra.run.dir={run} resumes from"
     assert output.count(said) == 1, output[-3000:]
     assert "not handled within" not in output
     assert result.returncode == (128 + signal.SIGTERM if how == "sigterm" else 1)
@@ -683,6 +686,36 @@ def test_a_run_stopped_after_a_step_and_before_its_batchs_end_resumes_exactly(ru
         assert resumed["val/acc"] == [
             (step, acc) for step, acc in expected["val/acc"] if step >= saved_at - 1
         ]
+
+
+@pytest.mark.slow
+def test_a_stop_in_an_epochs_last_validation_resumes_into_that_epoch_whatever_the_next_ones_length(
+    run_entry_point,
+):
+    """At data.rows=1 the tiny set's epochs plan 30 and 32 batches. Stopped in the validation
+    at an epoch's end, the resume ran it again and then trained the next epoch's first 2
+    batches as that epoch's rest (the loader had moved on to the next plan), every later step
+    shifted and other weights at the end; stopped in the last epoch's, it trained a batch past
+    the run's end."""
+    command = [*TINY_SHAPES, "data.rows=1", "trainer.max_epochs=2", "trainer.log_every_n_steps=1"]
+    command += ["test=false", "patch_budgets=null"]
+    whole = run_entry_point.root / "whole"
+    run_entry_point("train.py", *command, f"hydra.run.dir={whole}")
+    epoch_ends = [step + 1 for step, _ in logged_scalars(whole / "tensorboard")["train/loss_epoch"]]
+    assert epoch_ends[0] != epoch_ends[1] - epoch_ends[0], epoch_ends  # epochs of other lengths
+    for step in epoch_ends:
+        stopped = run_entry_point.root / f"stopped_at_{step}"
+        interrupt = ["+callbacks.interrupt._target_=tests.interruptions.InterruptAfterStep"]
+        interrupt += [f"+callbacks.interrupt.step={step}", "+callbacks.interrupt.validation=true"]
+        result = run_entry_point("train.py", *command, *interrupt, f"hydra.run.dir={stopped}", check=False)
+        assert result.returncode == 1 and "on purpose" in result.stdout + result.stderr
+        # its result so far in HPARAMS, not the placeholder (0.0): the best val/acc before it
+        stopped_logs = logged_scalars(stopped / "tensorboard")
+        best = max((acc for _, acc in stopped_logs.get("val/acc", [])), default=math.nan)
+        assert stopped_logs["hp/val_acc"][-1][1] == pytest.approx(best, nan_ok=True)
+        first_events = set((stopped / "tensorboard").iterdir())
+        run_entry_point("train.py", *command, f"hydra.run.dir={stopped}", "ckpt_path=last")
+        assert_resumed_exactly(whole, stopped, first_events, step)
 
 
 def assert_resumed_exactly(whole: Path, stopped: Path, first_events: set[Path], saved_at: int) -> None:

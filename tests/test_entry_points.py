@@ -149,6 +149,11 @@ def test_train_then_eval_reports_accuracy(run_entry_point):
     result = run_entry_point("eval.py", f"ckpt_path={last}", "hydra.job.chdir=true")
     accuracy = re.search(r"test accuracy: ([0-9.]+) on (\d+) images", result.stdout + result.stderr)
     assert accuracy and 0.0 <= float(accuracy.group(1)) <= 1.0
+    # its TensorBoard says what it evaluated (its hparams.yaml was {})
+    (evaluated,) = (run_entry_point.root / "logs" / "eval" / "runs").glob("*/tensorboard/hparams.yaml")
+    hparams = OmegaConf.load(evaluated)
+    assert (hparams.ckpt_path, hparams.split) == (str(run_entry_point.root / last), "test")
+    assert hparams.data.root == str(run_entry_point.root / TINY_SET)
 
     # train=false tests the checkpoint it is given (it tested the initial weights)
     tested = run_entry_point(

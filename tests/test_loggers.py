@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import math
 import os
 import pickle
 import re
@@ -244,6 +245,21 @@ def test_a_failed_job_closes_its_loggers_as_failed():
         logger.finalize.assert_called_once_with("failed")
         logger.log_metrics.assert_not_called()  # nothing final to log
     wandb_logger.experiment.finish.assert_called_once_with(exit_code=1)
+
+
+@pytest.mark.parametrize("step", [0, 3])
+def test_a_failed_job_logs_its_results_so_far_once_it_has_trained(step):
+    """TensorBoard's HPARAMS showed a stopped run's placeholders, 0.0, as its results; a
+    resume refused before its first step must leave the run's own."""
+    logger = MagicMock(spec=CSVLogger)
+    trainer = SimpleNamespace(loggers=[logger], global_step=step)
+    results = {"hp/val_acc": 0.25, "hp/test_acc": math.nan}
+    with pytest.raises(KeyboardInterrupt), loggers_closed_on_failure(trainer, lambda: results):
+        raise KeyboardInterrupt
+    if step:
+        logger.log_metrics.assert_called_once_with(results, step=step)
+    else:
+        logger.log_metrics.assert_not_called()
 
 
 def test_mlflow_logger_reopens_its_finished_run_and_takes_the_newest_of_its_folder(tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 import hydra
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.data import shapes
@@ -56,6 +56,12 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     if data.get("generate") and "root" not in given:  # the run's built-in set, maybe made elsewhere
         data.root = shapes.root_for_run(data.root, cfg.paths.data_dir, data.generate)
     datamodule, model, trainer = build_from_checkpoint(cfg, run, data, [UnreadableImageReport()])
+    evaluated = {
+        **OmegaConf.to_container(cfg, resolve=True),
+        "data": OmegaConf.to_container(data, resolve=True),
+    }
+    for logger in trainer.loggers:  # which checkpoint, split and data the figures are of
+        logger.log_hyperparams(evaluated)
     if isinstance(datamodule, PackedImageDataModule) and not data.get("evaluate_all"):
         datamodule.hold_out_as(run.data)  # the images the run never trained on, as a test of it
     elif data.get("evaluate_all") and "evaluate_all" not in given:

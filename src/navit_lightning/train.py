@@ -152,12 +152,27 @@ def hold_out_as_its_run(datamodule: PackedImageDataModule, trainer: L.Trainer, r
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit (and optionally test) the model that `cfg` describes; returns the final metrics."""
     datamodule, model, trainer = build(cfg)
-    with loggers_closed_on_failure(trainer):
+    with loggers_closed_on_failure(trainer, lambda: results(cfg, metrics_so_far(cfg, trainer, model))):
         metrics = fit_and_test(cfg, datamodule, model, trainer)
-    # NaN for a declared result the run did not give (trainer.max_steps ended it before its
-    # first validation): its placeholder, 0.0, would read as the result
-    final = {name: metrics.get(HP_METRICS[name][0], math.nan) for name in declared_results(cfg)}
-    finish_loggers(trainer, final)
+    finish_loggers(trainer, results(cfg, metrics))
+    return metrics
+
+
+def results(cfg: DictConfig, metrics: dict[str, float]) -> dict[str, float]:
+    """The run's declared results (HP_METRICS) in `metrics`; NaN for one it did not give
+    (trainer.max_steps ended it before its first validation, it failed or was stopped before
+    its test): its placeholder, 0.0, would read as the result."""
+    return {name: metrics.get(HP_METRICS[name][0], math.nan) for name in declared_results(cfg)}
+
+
+def metrics_so_far(cfg: DictConfig, trainer: L.Trainer, model: NaViTClassifier) -> dict[str, float]:
+    """What the run has logged, with the best val/acc the model holds where no validation
+    logged it since a resume (of a fit that had ended, a stop in its test; or one stopped
+    before its first validation): the checkpoint's, which hp/val_acc and a sweep's
+    optimized_metric need."""
+    metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+    if cfg.train and "val/acc_best" not in metrics and model.val_acc_best.max_value.isfinite():
+        metrics["val/acc_best"] = float(model.val_acc_best.max_value)
     return metrics
 
 
@@ -194,11 +209,7 @@ def fit_and_test(
         if cfg.train:
             with requeue_when_asked(trainer):
                 trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
-        metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
-        if cfg.train and "val/acc_best" not in metrics and model.val_acc_best.max_value.isfinite():
-            # a resumed fit that had ended (a stop in its test) validates no more: its best is the
-            # checkpoint's, which hp/val_acc and a sweep's optimized_metric still need
-            metrics["val/acc_best"] = float(model.val_acc_best.max_value)
+        metrics = metrics_so_far(cfg, trainer, model)
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
         # what test and the patch budgets evaluate: the best checkpoint of the fit, or the
         # checkpoint train=false was given

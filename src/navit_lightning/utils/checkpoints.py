@@ -31,6 +31,7 @@ from navit_lightning.utils.instantiate import (
     instantiate_datamodule,
     switched_on,
 )
+from navit_lightning.utils.launch import resume_overrides
 from navit_lightning.utils.loggers import instantiate_loggers
 from navit_lightning.utils.shutdown import is_explained_elsewhere
 
@@ -176,7 +177,7 @@ class ResumeCheckpoint(ModelCheckpoint):
                 log.warning(
                     f"rank {trainer.global_rank}: {type(exception).__name__} at step "
                     f"{trainer.global_step}, not saved (every rank would have to join the save): "
-                    "ckpt_path=last resumes from the last periodic or epoch save"
+                    f"{resume_overrides()} resumes from the last periodic or epoch save"
                 )
             return
         # last.ckpt only: ModelCheckpoint would also write a step-named copy. Also where a save
@@ -192,7 +193,7 @@ class ResumeCheckpoint(ModelCheckpoint):
         if self.last_model_path and self._last_global_step_saved == trainer.global_step > 0:
             rank_zero_info(
                 f"stopped at step {trainer.global_step} ({type(exception).__name__}): saved "
-                f"{self.last_model_path}, which ckpt_path=last resumes from"
+                f"{self.last_model_path}, which {resume_overrides()} resumes from"
             )
 
 

@@ -12,6 +12,7 @@ import atexit
 import fcntl
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timedelta
@@ -61,6 +62,16 @@ def external_launch_rank() -> int | None:
 def in_sweep() -> bool:
     """Whether this process runs a job of a Hydra sweep (-m): SystemExit would end the sweep."""
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def resume_overrides() -> str:
+    """What resumes this run from its last checkpoint: ckpt_path=last alone starts a new
+    run folder, and finds none there."""
+    if not HydraConfig.initialized():
+        return "ckpt_path=last"
+    if in_sweep():
+        return f"ckpt_path=last hydra.sweep.dir={shlex.quote(HydraConfig.get().sweep.dir)} added to the sweep"
+    return f"ckpt_path=last hydra.run.dir={shlex.quote(HydraConfig.get().runtime.output_dir)}"
 
 
 def quiet_rank_overrides() -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import os
 from argparse import Namespace
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -169,11 +169,15 @@ def finish_loggers(trainer: L.Trainer, final: dict[str, float], status: str = "s
 
 
 @contextmanager
-def loggers_closed_on_failure(trainer: L.Trainer) -> Iterator[None]:
-    """A job that fails (a refused resume, an error in fit) closes its loggers too: its open
-    W&B run took the sweep's next job."""
+def loggers_closed_on_failure(
+    trainer: L.Trainer, results: Callable[[], dict[str, float]] = dict
+) -> Iterator[None]:
+    """A job that fails (a refused resume, an error in fit) closes its loggers too, with its
+    `results` so far once it has trained: its open W&B run took the sweep's next job, and
+    TensorBoard's HPARAMS showed a stopped run's placeholders, 0.0, as its results (a resume
+    refused before its first step leaves the run's own)."""
     try:
         yield
     except BaseException:
-        finish_loggers(trainer, {}, status="failed")
+        finish_loggers(trainer, results() if trainer.global_step > 0 else {}, status="failed")
         raise

@@ -41,7 +41,7 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
-from navit_lightning.utils.launch import in_sweep
+from navit_lightning.utils.launch import in_sweep, resume_overrides
 
 log = logging.getLogger("navit_lightning")
 
@@ -264,7 +264,7 @@ def explain_collective_failure(trainer: L.Trainer) -> Iterator[None]:
         how = f"by {error.signal_name}" if error.signal_name else f"with exit code {error.exit_code}"
         message = (
             f"rank {error.error_index}'s process ended {how} without an error of its own (killed, or "
-            "out of host memory?): ckpt_path=last resumes from the last periodic or epoch save"
+            f"out of host memory?): {resume_overrides()} resumes from the last periodic or epoch save"
         )
         log.error(f"error: {message}")
         raise job_end(message, 3) from None
