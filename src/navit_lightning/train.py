@@ -30,6 +30,7 @@ from navit_lightning.resolution import (
 from navit_lightning.utils.callbacks import StoreRunConfig
 from navit_lightning.utils.checkpoints import (
     CKPT_PATH_EXAMPLE,
+    BestCheckpoint,
     check_resumable,
     load_initial_weights,
     resume_epoch_ends_as_ended,
@@ -198,6 +199,9 @@ def fit_and_test(
             model, cfg.model, ckpt_path, averaging, datamodule.class_names(), fitting=cfg.train
         )
         resume_epoch_ends_as_ended(trainer)
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, BestCheckpoint):
+                callback.resuming = True
         if isinstance(datamodule, PackedImageDataModule):
             hold_out_as_its_run(datamodule, trainer, checkpoint["run_config"]["data"])
             position = checkpoint.get(type(datamodule).__qualname__, {}).get("train_position")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import warnings
 import zipfile
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager, suppress
@@ -89,6 +90,15 @@ class BestCheckpoint(ModelCheckpoint):
     file (and the run took the -v1 for its best); two validations of one epoch under
     save_top_k>1 still keep two files (without a version the second overwrote the first,
     which top-k then deleted: the best checkpoint lost)."""
+
+    resuming = False  # set for a fit that resumes a checkpoint (the trainer knows only later)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Lightning warns of a folder holding checkpoints, as a resume's own always does
+        with warnings.catch_warnings():
+            if self.resuming:
+                warnings.filterwarnings("ignore", message="Checkpoint directory .* exists and is not empty")
+            super().setup(trainer, pl_module, stage)
 
     def _get_metric_interpolated_filepath_name(
         self, monitor_candidates: dict[str, torch.Tensor], trainer: L.Trainer, del_filepath: str | None = None
