@@ -544,6 +544,7 @@ def schedule_model(resumed: ResumePoint | None, **trainer: Any) -> NaViTClassifi
     """A model resumed at `resumed` under a stand-in Trainer with `trainer`'s settings."""
     model = make_model("linear")
     settings = dict(estimated_stepping_batches=30, max_epochs=3, max_steps=-1, accumulate_grad_batches=1)
+    settings["datamodule"] = None
     model.trainer = SimpleNamespace(**{**settings, "num_training_batches": 10, **trainer})
     model._resumed_at = resumed
     return model

@@ -391,6 +391,9 @@ def test_a_position_at_the_end_of_an_epoch_resumes_on_any_number_of_ranks(runnin
         resumed = samplers(sizes, world)  # new processes: their samplers start at epoch 0
         for sampler in resumed:
             sampler.resume(position)
+        # the schedule's count of the epochs to come
+        coming = len(rank_batches(sizes, world, epoch=6)[0])
+        assert all(sampler.coming_length() == coming for sampler in resumed)
         if not ended:
             assert all(list(sampler) == [] for sampler in resumed)
             assert all(len(sampler) == position["batches_per_rank"] for sampler in resumed)

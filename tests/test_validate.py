@@ -12,12 +12,13 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import InstantiationException
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.demos.boring_classes import BoringModel
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 from torch.multiprocessing.spawn import ProcessRaisedException
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning import eval as eval_script
 from navit_lightning import predict as predict_script
+from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.errors import ConfigError
 from navit_lightning.eval import evaluate
 from navit_lightning.predict import predict
@@ -25,6 +26,7 @@ from navit_lightning.strategies import HydraDDPStrategy
 from navit_lightning.train import build
 from navit_lightning.utils import checkpoints, validate
 from navit_lightning.utils.entry_point import refusal, refuse_null_groups, refuse_two_modes
+from navit_lightning.utils.instantiate import instantiate_datamodule
 from navit_lightning.utils.validate import check_launch
 from tests.conftest import TINY_RUN, bare_trainer
 from tests.test_configs import compose_train
@@ -727,6 +729,16 @@ class DataWithoutNames(L.LightningDataModule):
     def __init__(self, **settings: object) -> None:
         super().__init__()
         self.num_classes = 6
+
+
+def test_a_datamodule_is_built_without_reading_its_data(tmp_path):
+    """Its num_classes lists the data folder: looked for with hasattr, a predict.py on a
+    machine without the checkpoint's training data was refused for the folder."""
+    gone = {
+        "_target_": "navit_lightning.data.datamodule.PackedImageDataModule",
+        "root": str(tmp_path / "gone"),
+    }
+    assert isinstance(instantiate_datamodule(OmegaConf.create(gone)), PackedImageDataModule)
 
 
 @pytest.mark.parametrize(

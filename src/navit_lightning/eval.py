@@ -56,20 +56,18 @@ def evaluate(cfg: DictConfig) -> dict[str, float]:
     if data.get("generate") and "root" not in given:  # the run's built-in set, maybe made elsewhere
         data.root = shapes.root_for_run(data.root, cfg.paths.data_dir, data.generate)
     datamodule, model, trainer = build_from_checkpoint(cfg, run, data, [UnreadableImageReport()])
-    evaluated = {
-        **OmegaConf.to_container(cfg, resolve=True),
-        "data": OmegaConf.to_container(data, resolve=True),
-    }
-    for logger in trainer.loggers:  # which checkpoint, split and data the figures are of
-        logger.log_hyperparams(evaluated)
+    evaluated = OmegaConf.to_container(data, resolve=True)
     if isinstance(datamodule, PackedImageDataModule) and not data.get("evaluate_all"):
-        datamodule.hold_out_as(run.data)  # the images the run never trained on, as a test of it
+        # the images the run never trained on, as a test of it
+        evaluated.update(datamodule.hold_out_as(run.data))
     elif data.get("evaluate_all") and "evaluate_all" not in given:
         rank_zero_info(
             f"{data.root} is not the folder the run trained on ({run.data.root}): all its images are "
             "evaluated; a copy or shards of that folder hold out the run's split with data.evaluate_all=false"
         )
     with loggers_closed_on_failure(trainer):
+        for logger in trainer.loggers:  # which checkpoint, split and data the figures are of
+            logger.log_hyperparams({**OmegaConf.to_container(cfg, resolve=True), "data": evaluated})
         check_same_classes(datamodule.class_names(), class_names, run.model.num_classes, cfg.ckpt_path)
         metrics = scores(cfg, datamodule, model, trainer)
     finish_loggers(trainer, {})

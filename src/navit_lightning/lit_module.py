@@ -68,6 +68,11 @@ class ResumePoint(NamedTuple):
         return max(0, min(self.batches_planned, epoch_batches) - self.batches_done)
 
 
+def limited(batches: int, limit: int | float) -> int:
+    """An epoch's `batches` under trainer.limit_train_batches, as Lightning counts them."""
+    return min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+
+
 def image_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over the batch's real images. A sum divided by their count, not a
     mean over slots: an all-padding filler batch (see PackedBatchSampler) then gives a zero
@@ -472,6 +477,11 @@ class NaViTClassifier(L.LightningModule):
         if resumed is None or trainer.max_epochs == -1 or not math.isfinite(estimate):
             return estimate
         batches = trainer.num_training_batches  # an epoch's, limit_train_batches applied
+        planned = getattr(trainer.datamodule, "train_batches_per_rank", None)
+        if resumed.batches_done >= resumed.batches_planned and planned is not None:
+            # the loader keeps the length of an epoch resumed after its batches, from the
+            # checkpoint's settings (its validation still to run): later epochs have this run's
+            batches = limited(planned(), trainer.limit_train_batches)
         per_step = trainer.accumulate_grad_batches
         later_epochs = max(0, trainer.max_epochs - resumed.epoch - 1)
         steps = resumed.global_step + math.ceil(resumed.batches_left(batches) / per_step)

@@ -153,8 +153,11 @@ def hold_out_as_its_run(datamodule: PackedImageDataModule, trainer: L.Trainer, r
 def train(cfg: DictConfig) -> dict[str, float]:
     """Fit (and optionally test) the model that `cfg` describes; returns the final metrics."""
     datamodule, model, trainer = build(cfg)
-    with loggers_closed_on_failure(trainer, lambda: results(cfg, metrics_so_far(cfg, trainer, model))):
-        metrics = fit_and_test(cfg, datamodule, model, trainer)
+    metrics: dict[str, float] = {}  # as fit and test give them: a failure after reports them
+    with loggers_closed_on_failure(
+        trainer, lambda: results(cfg, metrics or metrics_so_far(cfg, trainer, model))
+    ):
+        fit_and_test(cfg, datamodule, model, trainer, metrics)
     finish_loggers(trainer, results(cfg, metrics))
     return metrics
 
@@ -178,9 +181,13 @@ def metrics_so_far(cfg: DictConfig, trainer: L.Trainer, model: NaViTClassifier) 
 
 
 def fit_and_test(
-    cfg: DictConfig, datamodule: L.LightningDataModule, model: L.LightningModule, trainer: L.Trainer
-) -> dict[str, float]:
-    """train()'s work between building and closing the loggers."""
+    cfg: DictConfig,
+    datamodule: L.LightningDataModule,
+    model: L.LightningModule,
+    trainer: L.Trainer,
+    metrics: dict[str, float],
+) -> None:
+    """train()'s work between building and closing the loggers, its results into `metrics`."""
     log_config(cfg)
     rank_zero_info(
         f"world size {trainer.world_size} ({trainer.num_nodes} node(s) x {trainer.num_devices} device(s))"
@@ -213,7 +220,7 @@ def fit_and_test(
         if cfg.train:
             with requeue_when_asked(trainer):
                 trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
-        metrics = metrics_so_far(cfg, trainer, model)
+        metrics.update(metrics_so_far(cfg, trainer, model))
         best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
         # what test and the patch budgets evaluate: the best checkpoint of the fit, or the
         # checkpoint train=false was given
@@ -229,10 +236,9 @@ def fit_and_test(
             budgets = []
         budgets = budgets_that_fit(budgets, datamodule, model.net, "val")
         if budgets:
-            results = accuracy_across_budgets(trainer, model, datamodule, budgets, "val", tested)
+            swept = accuracy_across_budgets(trainer, model, datamodule, budgets, "val", tested)
             title = "val" if tested is None else "val, best checkpoint" if cfg.train else f"val, {tested}"
-            report(results, trainer, Path(cfg.paths.output_dir), title)
-    return metrics
+            report(swept, trainer, Path(cfg.paths.output_dir), title)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")

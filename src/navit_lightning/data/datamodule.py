@@ -467,6 +467,12 @@ class PackedImageDataModule(L.LightningDataModule):
         done = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
         return None if done >= self.trainer.num_training_batches else done
 
+    def train_batches_per_rank(self) -> int:
+        """The batches on each rank of the epoch to train next, at this run's settings: the
+        training loader's length, but after a resume in an epoch whose batches were all done
+        (PackedBatchSampler.resume), which keeps the checkpoint's."""
+        return self.trainer.train_dataloader.batch_sampler.coming_length()
+
     def _train_epochs_ended(self) -> int:
         """The epochs the trainer has ended (their validation and epoch-end work run): the
         number of the epoch it plans next, which it sets the sampler's to."""

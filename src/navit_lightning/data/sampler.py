@@ -128,11 +128,11 @@ class EpochOrder(Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def indices(self) -> np.ndarray:
-        """(size,) int64, this epoch's order."""
+    def indices(self, epoch: int | None = None) -> np.ndarray:
+        """(size,) int64, the order of `epoch` (this one by default)."""
         if not self.shuffle:
             return np.arange(self.size)
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        generator = torch.Generator().manual_seed(self.seed + (self.epoch if epoch is None else epoch))
         return torch.randperm(self.size, generator=generator).numpy()
 
     def __iter__(self) -> Iterator[int]:
@@ -257,10 +257,16 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
     def _epoch_plan(self) -> _EpochPlan:
         epoch = self.sampler.epoch
         if self._plan is None or self._plan.epoch != epoch:
-            keys = self.policy.keys(self.sizes, self.seed, epoch)
-            batches = plan_batches(keys.keep, self.sampler.indices(), self.shape, self.lookahead)
-            self._plan = _EpochPlan(epoch, keys, batches)
+            self._plan = self._plan_of(epoch)
         return self._plan
+
+    def _plan_of(self, epoch: int) -> _EpochPlan:
+        keys = self.policy.keys(self.sizes, self.seed, epoch)
+        batches = plan_batches(keys.keep, self.sampler.indices(epoch), self.shape, self.lookahead)
+        return _EpochPlan(epoch, keys, batches)
+
+    def _per_rank(self, plan: _EpochPlan) -> int:
+        return -(-len(plan.batches) // self.num_replicas)
 
     def _rank_batches(self) -> range:
         """This rank's batch numbers in the epoch's plan, dealt round-robin."""
@@ -279,7 +285,15 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
 
     def __len__(self) -> int:
         over = self._resumed_over_length()
-        return over if over is not None else -(-len(self._epoch_plan().batches) // self.num_replicas)
+        return over if over is not None else self._per_rank(self._epoch_plan())
+
+    def coming_length(self) -> int:
+        """Each rank's batches of the epoch to train next, at this sampler's settings: the
+        current one's (its length), or after an epoch resumed past its batches (see resume,
+        whose length is the checkpoint's), the one after it."""
+        if self._resumed_over_length() is None:
+            return len(self)
+        return self._per_rank(self._plan_of(self.sampler.epoch + 1))
 
     def _resumed_over_length(self) -> int | None:
         """The current epoch's batches per rank where it was resumed after its last batch."""
@@ -327,12 +341,13 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
         over every rank's batches (a rank's filler batch holds no image) how many images
         they hold and how full they are."""
         plan = self._epoch_plan()
-        dealt = max(1, len(self) * self.num_replicas)
+        batches = self._per_rank(plan)
+        dealt = max(1, batches * self.num_replicas)
         real = plan.batches.sums(plan.keys.keep)  # (batches of the plan,) tokens
         capacity = self.shape.rows * self.shape.row_len
         but_last = real[:-1] if len(real) > 1 else real
         return PlanStats(
-            len(self),
+            batches,
             len(plan.batches.images) / dealt,
             float(real.sum()) / (dealt * capacity),
             float(but_last.sum()) / (max(1, len(but_last)) * capacity),

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from navit_lightning.errors import ConfigError, DataError, is_whole
 from navit_lightning.utils.host_memory import keep_freed_memory
+from navit_lightning.utils.launch import resume_overrides
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +251,7 @@ class UnreadableImageReport(L.Callback):
             again = (
                 "train again: its steps, which trained on no image, are in the run's checkpoints"
                 if stage == "train"
-                else "run again (ckpt_path=last resumes a training run)"
+                else f"run again ({resume_overrides()} resumes a training run)"
             )
             raise DataError(
                 f"{stage} epoch {epoch}: none of its {failed} images could be decoded (named above): "

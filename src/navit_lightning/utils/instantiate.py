@@ -3,6 +3,7 @@ dotted keys."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -25,13 +26,24 @@ def instantiate_datamodule(data: DictConfig) -> L.LightningDataModule:
     """The datamodule `data` describes. One of the user's own must give what the entry points
     read of it besides Lightning's hooks: without it, a traceback where it was first read."""
     datamodule = hydra.utils.instantiate(data)
-    if missing := [name for name in ("num_classes", "class_names") if not hasattr(datamodule, name)]:
+    # looked up, not read: the project's num_classes lists the data folder, which predict.py
+    # does without (a checkpoint's training data need not be on the machine)
+    if missing := [name for name in ("num_classes", "class_names") if not has_attribute(datamodule, name)]:
         raise ConfigError(
             f"data._target_={data._target_} has no {' or '.join(missing)}: a datamodule gives the "
             "number of classes (num_classes) and their names (class_names(), a list), as "
             "navit_lightning.data.datamodule.PackedImageDataModule does"
         )
     return datamodule
+
+
+def has_attribute(instance: object, name: str) -> bool:
+    """hasattr without running a property or a __getattr__."""
+    try:
+        inspect.getattr_static(instance, name)
+    except AttributeError:
+        return False
+    return True
 
 
 def instantiate_group(group: DictConfig | None) -> list[Any]:

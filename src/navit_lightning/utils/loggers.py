@@ -175,7 +175,7 @@ def loggers_closed_on_failure(
     """A job that fails (a refused resume, an error in fit) closes its loggers too, with its
     `results` so far once it has trained: its open W&B run took the sweep's next job, and
     TensorBoard's HPARAMS showed a stopped run's placeholders, 0.0, as its results (a resume
-    refused before its first step leaves the run's own)."""
+    refused before its first step logs none over the run's)."""
     try:
         yield
     except BaseException:
