@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
-from lightning.pytorch.loops.progress import _BatchProgress
+from lightning.pytorch.loops.progress import _BatchProgress, _ProcessedTracker, _Progress
 from lightning.pytorch.trainer.states import TrainerFn
 from omegaconf import OmegaConf
 
@@ -720,6 +720,37 @@ def test_a_stop_in_an_epochs_last_validation_resumes_into_that_epoch_whatever_th
         assert "exists and is not empty" not in resumed.stdout + resumed.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["periodic_save_then_killed", "error_after_the_batch"])
+def test_a_save_at_an_epochs_last_batch_without_validation_resumes_with_the_next_epoch(run_entry_point, how):
+    """No validation due there: Lightning's resume of the batch-end form counted the epoch as
+    over and skipped as many batches of the next one as it had (2 of its 32 trained, then the
+    run ended), its epoch count one short (a later resume trained one batch). A periodic save
+    there was the run's last.ckpt for the whole next epoch: the epoch-end save was skipped
+    as made at that step."""
+    command = [*TINY_SHAPES, "data.rows=1", "trainer.max_epochs=2", "trainer.log_every_n_steps=1"]
+    command += ["trainer.check_val_every_n_epoch=2", "test=false", "patch_budgets=null"]
+    whole, stopped = run_entry_point.root / "whole", run_entry_point.root / "stopped"
+    run_entry_point("train.py", *command, f"hydra.run.dir={whole}")
+    epoch_ends = [step + 1 for step, _ in logged_scalars(whole / "tensorboard")["train/loss_epoch"]]
+    assert epoch_ends[0] != epoch_ends[1] - epoch_ends[0], epoch_ends  # epochs of other lengths
+    if how == "periodic_save_then_killed":
+        stop = [f"callbacks.resume_checkpoint.every_n_train_steps={epoch_ends[0]}"]
+        stop += ["callbacks.resume_checkpoint.train_time_interval=null"]
+        stop += ["+callbacks.interrupt._target_=tests.interruptions.InterruptAtStep"]
+        stop += [f"+callbacks.interrupt.step={epoch_ends[0] + 5}", "+callbacks.interrupt.how=sigkill"]
+    else:
+        stop = ["+callbacks.interrupt._target_=tests.interruptions.InterruptAfterStep"]
+        stop += [f"+callbacks.interrupt.step={epoch_ends[0]}"]
+    result = run_entry_point("train.py", *command, *stop, f"hydra.run.dir={stopped}", check=False)
+    assert result.returncode == (-signal.SIGKILL if how == "periodic_save_then_killed" else 1)
+    first_events = set((stopped / "tensorboard").iterdir())
+    run_entry_point("train.py", *command, f"hydra.run.dir={stopped}", "ckpt_path=last")
+    assert_resumed_exactly(whole, stopped, first_events, epoch_ends[0])
+    ends = [torch.load(run / "checkpoints" / "last.ckpt", weights_only=True) for run in (whole, stopped)]
+    assert ends[0]["loops"]["fit_loop"]["epoch_progress"] == ends[1]["loops"]["fit_loop"]["epoch_progress"]
+
+
 def assert_resumed_exactly(whole: Path, stopped: Path, first_events: set[Path], saved_at: int) -> None:
     """The run in `stopped`, resumed from step `saved_at`, logged the losses of the run never
     stopped, `whole`, at the same steps from there, and ended with the same weights."""
@@ -796,13 +827,20 @@ def test_periodic_saves_wait_for_the_end_of_an_accumulation_window(monkeypatch, 
     """A save inside a window would resume without its first batches' gradients; the epoch's
     last window steps however short it is."""
     progress = _BatchProgress()
-    no_validation = SimpleNamespace(batch_progress=progress, _should_check_val_fx=lambda fetcher: False)
+    no_validation = SimpleNamespace(
+        batch_progress=progress, _should_check_val_fx=lambda fetcher: False, _batches_that_stepped=0
+    )
     trainer = SimpleNamespace(
-        fit_loop=SimpleNamespace(epoch_loop=no_validation, _data_fetcher=None),
+        fit_loop=SimpleNamespace(
+            epoch_loop=no_validation,
+            _data_fetcher=None,
+            epoch_progress=_Progress.from_defaults(_ProcessedTracker),
+        ),
         num_training_batches=batches,
         accumulate_grad_batches=2,
         should_stop=False,
         _val_check_time_interval=None,
+        global_step=0,
     )
     saved = []
     monkeypatch.setattr(
@@ -888,18 +926,28 @@ def test_a_run_killed_in_a_later_epoch_resumes_exactly(run_entry_point, rows, fi
 
 
 @pytest.mark.slow
-def test_an_epoch_end_resume_with_another_batch_shape_goes_on_along_the_rest_of_its_schedule(run_entry_point):
+@pytest.mark.parametrize("ended", ["limit_train_batches", "stop_in_its_validation"])
+def test_an_epoch_end_resume_with_another_batch_shape_goes_on_along_the_rest_of_its_schedule(
+    run_entry_point, ended
+):
     """Trained 5 batches of its first epoch's 8 (limit_train_batches), resumed at that epoch's
     end with half the rows, so more steps an epoch (as on fewer ranks), and one more epoch:
     the cosine runs from the saved step to the run's new end. Lightning's estimate, two
     epochs at the new count, put the end 10 steps late, and from twice the ranks before the
     saved step (the rate sat at its floor). Its first epoch ended 3 batches before its plan:
-    read as mid-epoch, the resume was refused (other data.rows)."""
+    read as mid-epoch, the resume was refused (other data.rows). Stopped in the epoch's
+    validation instead, the resume runs it again: its loader keeps the epoch's length at the
+    first run's rows, which the schedule took for the later epochs' (it ended at half)."""
     run = run_entry_point.root / "run"
     command = [*TINY_RUN, "test=false", "patch_budgets=null", f"hydra.run.dir={run}"]
-    run_entry_point("train.py", *command, "trainer.limit_train_batches=5")
+    if ended == "limit_train_batches":
+        run_entry_point("train.py", *command, "trainer.limit_train_batches=5")
+    else:
+        interrupt = ["+callbacks.interrupt._target_=tests.interruptions.InterruptAfterStep"]
+        interrupt += ["+callbacks.interrupt.step=8", "+callbacks.interrupt.validation=true"]
+        run_entry_point("train.py", *command, *interrupt, check=False)
     saved = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
-    assert saved["global_step"] == 5
+    assert saved["global_step"] == (5 if ended == "limit_train_batches" else 8)
     run_entry_point("train.py", *command, "ckpt_path=last", "trainer.max_epochs=2", "data.rows=2")
     rates = logged_scalars(run / "tensorboard")["lr-AdamW/pg1"]
     resumed = [(step, rate) for step, rate in rates if step >= saved["global_step"]]

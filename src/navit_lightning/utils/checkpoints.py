@@ -145,12 +145,16 @@ class ResumeCheckpoint(ModelCheckpoint):
         # a window so far are not in a checkpoint, so a resume from inside it would step on the
         # window's later batches alone. Every rank sees the same batch_idx: its collectives pair.
         if batches_stepped(trainer) == trainer.fit_loop.epoch_loop.batch_progress.current.processed:
-            with saved_as_before_validation(trainer) as before_validation:
+            with (
+                saved_as_before_validation(trainer) as before_validation,
+                saved_as_epoch_end(trainer) as ending,
+            ):
                 super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-            if before_validation and self._last_global_step_saved == trainer.global_step:
-                # a save at an epoch's or the fit's end after that validation is not skipped as
+            if (before_validation or ending) and self._last_global_step_saved == trainer.global_step:
+                # a save at an epoch's or the fit's end after this batch is not skipped as
                 # made at this step: a run ended there kept the before-validation form, and
-                # every resume of it ran that validation again
+                # every resume of it ran that validation again; the epoch's end has work of
+                # its own (its metrics, the callbacks' epoch ends)
                 self._last_global_step_saved = -1
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -256,6 +260,46 @@ def saved_as_before_validation(trainer: L.Trainer) -> Iterator[bool]:
             progress.load_state_dict(state)
 
 
+@contextmanager
+def saved_as_epoch_end(trainer: L.Trainer) -> Iterator[bool]:
+    """A save at the end of an epoch's last batch, no validation due, in the form of a save
+    at the epoch's end (ResumeCheckpoint.on_train_epoch_end's), which a resume goes on from
+    with the next epoch. Lightning's resume of the batch-end form counts the epoch as over
+    and skips as many batches of the next one as it had, where the two epochs' batch counts
+    differ (2 of 32 trained, then the run ended), and left its epoch count one short (a
+    later resume trained one batch). Yields whether it applies."""
+    if not ends_epoch_unvalidated(trainer):
+        yield False
+        return
+    epoch_loop, epoch_progress = trainer.fit_loop.epoch_loop, trainer.fit_loop.epoch_progress
+    before = epoch_loop.batch_progress.state_dict(), epoch_progress.state_dict()
+    as_epoch_end(trainer)
+    try:
+        yield True
+    finally:
+        epoch_loop.batch_progress.load_state_dict(before[0])
+        epoch_progress.load_state_dict(before[1])
+        epoch_loop._batches_that_stepped -= 1
+
+
+def ends_epoch_unvalidated(trainer: L.Trainer) -> bool:
+    """Whether the current batch is its epoch's last, with no validation due after it."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    last = progress.is_last_batch or progress.current.processed >= trainer.num_training_batches
+    return last and not validation_due_on_resume(trainer)
+
+
+def as_epoch_end(trainer: L.Trainer) -> None:
+    """From the end of an epoch's last batch (in its on_train_batch_end) to the epoch's end:
+    the batch completed and counted as stepped (Lightning does both after the hook), the
+    epoch processed."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    for tracker in (epoch_loop.batch_progress.current, epoch_loop.batch_progress.total):
+        tracker.completed = tracker.processed
+    epoch_loop._batches_that_stepped += 1
+    trainer.fit_loop.epoch_progress.increment_processed()
+
+
 def resume_epoch_ends_as_ended(trainer: L.Trainer) -> None:
     """Given trainer.max_steps, Lightning's fit loop resumes a checkpoint of an epoch's end as
     an epoch still running (Lightning issue 19617): it ran that epoch again with no batch
@@ -320,6 +364,8 @@ def rewind_to_last_step(trainer: L.Trainer) -> None:
         return
     if in_validation or validation_due:
         validate_again(epoch_loop.val_loop, in_validation)
+    elif ends_epoch_unvalidated(trainer):  # see saved_as_epoch_end
+        as_epoch_end(trainer)
     else:  # the form of a save in on_train_batch_end, whose end Lightning's resume completes
         progress.current.completed -= 1
         progress.total.completed -= 1
