@@ -721,8 +721,7 @@ def test_a_stop_in_an_epochs_last_validation_resumes_into_that_epoch_whatever_th
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["periodic_save_then_killed", "error_after_the_batch"])
-def test_a_save_at_an_epochs_last_batch_without_validation_resumes_with_the_next_epoch(run_entry_point, how):
+def test_a_save_at_an_epochs_last_batch_without_validation_resumes_with_the_next_epoch(run_entry_point):
     """No validation due there: Lightning's resume of the batch-end form counted the epoch as
     over and skipped as many batches of the next one as it had (2 of its 32 trained, then the
     run ended), its epoch count one short (a later resume trained one batch). A periodic save
@@ -730,25 +729,35 @@ def test_a_save_at_an_epochs_last_batch_without_validation_resumes_with_the_next
     as made at that step."""
     command = [*TINY_SHAPES, "data.rows=1", "trainer.max_epochs=2", "trainer.log_every_n_steps=1"]
     command += ["trainer.check_val_every_n_epoch=2", "test=false", "patch_budgets=null"]
-    whole, stopped = run_entry_point.root / "whole", run_entry_point.root / "stopped"
+    whole = run_entry_point.root / "whole"
     run_entry_point("train.py", *command, f"hydra.run.dir={whole}")
     epoch_ends = [step + 1 for step, _ in logged_scalars(whole / "tensorboard")["train/loss_epoch"]]
     assert epoch_ends[0] != epoch_ends[1] - epoch_ends[0], epoch_ends  # epochs of other lengths
-    if how == "periodic_save_then_killed":
-        stop = [f"callbacks.resume_checkpoint.every_n_train_steps={epoch_ends[0]}"]
-        stop += ["callbacks.resume_checkpoint.train_time_interval=null"]
-        stop += ["+callbacks.interrupt._target_=tests.interruptions.InterruptAtStep"]
-        stop += [f"+callbacks.interrupt.step={epoch_ends[0] + 5}", "+callbacks.interrupt.how=sigkill"]
-    else:
-        stop = ["+callbacks.interrupt._target_=tests.interruptions.InterruptAfterStep"]
-        stop += [f"+callbacks.interrupt.step={epoch_ends[0]}"]
-    result = run_entry_point("train.py", *command, *stop, f"hydra.run.dir={stopped}", check=False)
-    assert result.returncode == (-signal.SIGKILL if how == "periodic_save_then_killed" else 1)
-    first_events = set((stopped / "tensorboard").iterdir())
-    run_entry_point("train.py", *command, f"hydra.run.dir={stopped}", "ckpt_path=last")
-    assert_resumed_exactly(whole, stopped, first_events, epoch_ends[0])
-    ends = [torch.load(run / "checkpoints" / "last.ckpt", weights_only=True) for run in (whole, stopped)]
-    assert ends[0]["loops"]["fit_loop"]["epoch_progress"] == ends[1]["loops"]["fit_loop"]["epoch_progress"]
+    periodic_save_then_killed = [
+        f"callbacks.resume_checkpoint.every_n_train_steps={epoch_ends[0]}",
+        "callbacks.resume_checkpoint.train_time_interval=null",
+        "+callbacks.interrupt._target_=tests.interruptions.InterruptAtStep",
+        f"+callbacks.interrupt.step={epoch_ends[0] + 5}",
+        "+callbacks.interrupt.how=sigkill",
+    ]
+    error_after_the_batch = [
+        "+callbacks.interrupt._target_=tests.interruptions.InterruptAfterStep",
+        f"+callbacks.interrupt.step={epoch_ends[0]}",
+    ]
+    for name, stop, exit_code in (
+        ("killed", periodic_save_then_killed, -signal.SIGKILL),
+        ("error", error_after_the_batch, 1),
+    ):
+        stopped = run_entry_point.root / name
+        result = run_entry_point("train.py", *command, *stop, f"hydra.run.dir={stopped}", check=False)
+        assert result.returncode == exit_code
+        first_events = set((stopped / "tensorboard").iterdir())
+        run_entry_point("train.py", *command, f"hydra.run.dir={stopped}", "ckpt_path=last")
+        assert_resumed_exactly(whole, stopped, first_events, epoch_ends[0])
+        ends = [torch.load(run / "checkpoints" / "last.ckpt", weights_only=True) for run in (whole, stopped)]
+        assert (
+            ends[0]["loops"]["fit_loop"]["epoch_progress"] == ends[1]["loops"]["fit_loop"]["epoch_progress"]
+        )
 
 
 def assert_resumed_exactly(whole: Path, stopped: Path, first_events: set[Path], saved_at: int) -> None:
