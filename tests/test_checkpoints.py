@@ -692,12 +692,12 @@ def test_a_run_stopped_after_a_step_and_before_its_batchs_end_resumes_exactly(ru
 def test_a_stop_in_an_epochs_last_validation_resumes_into_that_epoch_whatever_the_next_ones_length(
     run_entry_point,
 ):
-    """At data.rows=1 the tiny set's epochs plan 30 and 32 batches. Stopped in the validation
-    at an epoch's end, the resume ran it again and then trained the next epoch's first 2
-    batches as that epoch's rest (the loader had moved on to the next plan), every later step
+    """At data.rows=2 the tiny set's epochs plan 15 and 16 batches. Stopped in the validation
+    at an epoch's end, the resume ran it again and then trained the next epoch's first batch
+    as that epoch's rest (the loader had moved on to the next plan), every later step
     shifted and other weights at the end; stopped in the last epoch's, it trained a batch past
     the run's end."""
-    command = [*TINY_SHAPES, "data.rows=1", "trainer.max_epochs=2", "trainer.log_every_n_steps=1"]
+    command = [*TINY_SHAPES, "data.rows=2", "trainer.max_epochs=2", "trainer.log_every_n_steps=1"]
     command += ["test=false", "patch_budgets=null"]
     whole = run_entry_point.root / "whole"
     run_entry_point("train.py", *command, f"hydra.run.dir={whole}")
@@ -723,11 +723,11 @@ def test_a_stop_in_an_epochs_last_validation_resumes_into_that_epoch_whatever_th
 @pytest.mark.slow
 def test_a_save_at_an_epochs_last_batch_without_validation_resumes_with_the_next_epoch(run_entry_point):
     """No validation due there: Lightning's resume of the batch-end form counted the epoch as
-    over and skipped as many batches of the next one as it had (2 of its 32 trained, then the
+    over and skipped as many batches of the next one as it had (1 of its 16 trained, then the
     run ended), its epoch count one short (a later resume trained one batch). A periodic save
     there was the run's last.ckpt for the whole next epoch: the epoch-end save was skipped
     as made at that step."""
-    command = [*TINY_SHAPES, "data.rows=1", "trainer.max_epochs=2", "trainer.log_every_n_steps=1"]
+    command = [*TINY_SHAPES, "data.rows=2", "trainer.max_epochs=2", "trainer.log_every_n_steps=1"]
     command += ["trainer.check_val_every_n_epoch=2", "test=false", "patch_budgets=null"]
     whole = run_entry_point.root / "whole"
     run_entry_point("train.py", *command, f"hydra.run.dir={whole}")
