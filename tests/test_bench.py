@@ -5,6 +5,7 @@ import importlib.util
 import math
 import re
 import sys
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -139,12 +140,19 @@ def test_step_benchmark_times_bare_and_lightning_steps_and_every_suspect(project
     expected = {"bare_before", "bare_after", "bare", "bare_with_loader", "lightning", "without all of them"}
     # TINY_RUN's data.num_workers=0 has no loader worker to take away
     expected |= {f"without {suspect}" for suspect in step.SUSPECTS if suspect != "loader worker process"}
-    assert set(figures) == expected
+    timed = {name for name in figures if not name.startswith("syncs ")}
+    assert timed == expected
     assert all(ms > 0 for ms in figures.values())
+    # device syncs are counted on a GPU only (Lightning reads the progress bar's values)
+    assert (timed != set(figures)) == torch.cuda.is_available()
     report = step.report(figures)
     assert "over bare with the loader" in report and "Lightning step" in report
-    # device syncs are counted on a GPU only; the report lists them by call site
-    synced = step.report({**figures, "syncs lit_module.py:99 _step": 2.0, "syncs module.py:1 log": 0.5})
+    # the report lists them by call site
+    stated = {name: figures[name] for name in timed} | {
+        "syncs lit_module.py:99 _step": 2.0,
+        "syncs module.py:1 log": 0.5,
+    }
+    synced = step.report(stated)
     assert "device syncs a Lightning step (implicit, CUDA): 2.50" in synced and " _step" in synced
 
 
@@ -284,7 +292,7 @@ def test_the_step_benchmark_refuses_more_steps_than_run_between_validations(proj
     from navit_lightning.bench import step
 
     monkeypatch.setenv("PROJECT_ROOT", str(project_root))
-    between = r"need more than (\d+) training batches between validations, and these settings give (\d+)"
+    between = r"need (\d+) training batches between validations, and these settings give (\d+)"
     for overrides, steps, allowed in (
         ([], 10, 8),
         (["trainer.limit_train_batches=5"], 4, 5),
@@ -297,7 +305,8 @@ def test_the_step_benchmark_refuses_more_steps_than_run_between_validations(proj
     ):
         with pytest.raises(ConfigError, match=between) as refused:
             step.measure([*TINY_RUN, *overrides], steps=steps, warmup=1, ablate=False, sync_steps=0)
-        assert re.search(between, str(refused.value)).groups() == (str(steps + 1), str(allowed)), overrides
+        # the warm-up's, the timed steps' and the batch whose start ends the last
+        assert re.search(between, str(refused.value)).groups() == (str(steps + 2), str(allowed)), overrides
     with pytest.raises(ConfigError, match=r"a timed trainer.val_check_interval \(every 10 s\) validates"):
         step.measure([*TINY_RUN, "trainer.val_check_interval=00:00:00:10"], steps=2, warmup=1, ablate=False)
 
@@ -498,6 +507,29 @@ def test_the_step_clock_averages_the_steps_after_the_warmup():
     clock.starts = [0.0, 1.0, 2.0, 4.0, 8.0]  # the last start: a step after the timed ones
     timed = clock.starts[1:4]
     assert clock.mean_ms() == pytest.approx(1000 * (timed[-1] - timed[0]) / 2)
+
+
+def test_the_step_clock_counts_syncs_over_whole_steps_and_not_the_end_of_the_fit(monkeypatch):
+    """On a GPU the syncs of `sync_steps` steps, each from its batch's start to the next
+    one's: a sync in the fit's end (its checkpoint, callbacks' on_train_end) is no step's,
+    and was counted as one of the last step's."""
+    from navit_lightning.bench.step import StepClock
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cuda")))
+    clock = StepClock(warmup=1, steps=2, sync_steps=2)
+
+    def sync(site):
+        warnings.warn(f"called a synchronizing CUDA operation ({site})", UserWarning, stacklevel=2)
+
+    for _ in range(clock.batches):
+        clock.on_train_batch_start(trainer)
+        sync("in a step")
+    sync("at the fit's end")
+    clock.on_train_end(trainer)
+    assert modes == ["warn", "default"] and len(clock.starts) == 7
+    assert list(clock.syncs_per_step().values()) == [1.0]  # 2 steps watched, a sync each
 
 
 @pytest.mark.parametrize("accumulated", [1, 2])
@@ -785,7 +817,7 @@ def test_the_index_benchmark_counts_the_opens_of_each_timed_call_alone(monkeypat
 @pytest.mark.parametrize("accumulated", [1, 2])
 def test_the_lightning_run_clocks_every_timed_step_and_the_one_after(project_root, monkeypatch, accumulated):
     """The last timed step ends where the next one starts: the run takes one step more than
-    the warm-up and the timed steps (and the sync-counting ones after them), in batches:
+    the warm-up and the timed steps (and than the sync-counting ones after them), in batches:
     under accumulation it ran that many optimizer steps, through a validation."""
     from navit_lightning.bench import step
 
@@ -794,7 +826,10 @@ def test_the_lightning_run_clocks_every_timed_step_and_the_one_after(project_roo
     accumulation = [f"trainer.accumulate_grad_batches={accumulated}"]
     clock = step.lightning_step([*TINY_RUN, *accumulation], warmup, steps, sync_steps)
     assert (
-        warmup + steps + 1 + sync_steps <= len(clock.starts) < warmup + steps + 1 + sync_steps + accumulated
+        warmup + steps + 1 + sync_steps + 1
+        == clock.batches
+        <= len(clock.starts)
+        < clock.batches + accumulated
     )
 
 

@@ -68,25 +68,43 @@ SUSPECTS: dict[str, list[str]] = {
 
 class StepClock(L.Callback):
     """The start time of every training batch of `steps` after `warmup`; then, on a GPU, the
-    device syncs of the steps after those (implicit ones, through torch's sync debug mode,
-    which slows the steps it watches), by call site."""
+    device syncs of the `sync_steps` steps after those (implicit ones, through torch's sync
+    debug mode, which slows the steps it watches), by call site. They are counted from one
+    batch's start to the start of the batch after them: the end of the fit (its checkpoint,
+    the callbacks' on_train_end) is no step's."""
 
-    def __init__(self, warmup: int, steps: int) -> None:
-        self.warmup, self.steps = warmup, steps
+    def __init__(self, warmup: int, steps: int, sync_steps: int = 0) -> None:
+        self.warmup, self.steps, self.sync_steps = warmup, steps, sync_steps
         self.starts: list[float] = []
         self.sync_sites: collections.Counter[str] = collections.Counter()
         self.show_warning: Callable[..., None] | None = None  # while syncs are counted
         self.warning_filters: list[Any] = []
 
+    @property
+    def batches(self) -> int:
+        """The batches the run must start: the timed steps' and one more, whose start ends
+        the last; then the watched steps' and one more."""
+        return self.warmup + self.steps + 1 + (self.sync_steps + 1 if self.sync_steps else 0)
+
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.starts.append(time.perf_counter())
-        if len(self.starts) == self.warmup + self.steps + 2 and trainer.strategy.root_device.type == "cuda":
+        first_watched = self.warmup + self.steps + 2
+        if len(self.starts) == first_watched + self.sync_steps:
+            self._stop_counting()
+        elif (
+            len(self.starts) == first_watched
+            and self.sync_steps
+            and trainer.strategy.root_device.type == "cuda"
+        ):
             torch.cuda.set_sync_debug_mode("warn")
             self.warning_filters = list(warnings.filters)
             warnings.simplefilter("always")
             self.show_warning, warnings.showwarning = warnings.showwarning, self._count_sync
 
     def on_train_end(self, *args: Any) -> None:
+        self._stop_counting()
+
+    def _stop_counting(self) -> None:
         if self.show_warning is not None:
             torch.cuda.set_sync_debug_mode("default")
             warnings.showwarning, self.show_warning = self.show_warning, None
@@ -111,19 +129,17 @@ class StepClock(L.Callback):
         return (starts[-1] - starts[0]) / (len(starts) - 1) * 1e3
 
     def syncs_per_step(self) -> dict[str, float]:
-        watched = len(self.starts) - (self.warmup + self.steps + 1)
-        return {site: count / watched for site, count in self.sync_sites.most_common()}
+        return {site: count / self.sync_steps for site, count in self.sync_sites.most_common()}
 
 
 def lightning_step(overrides: list[str], warmup: int, steps: int, sync_steps: int = 0) -> StepClock:
     """A Lightning training run of train.py's trainer for `overrides`, clocked, then
     `sync_steps` more with their device syncs counted (on a GPU)."""
-    clock = StepClock(warmup, steps)
+    clock = StepClock(warmup, steps, sync_steps)
     with tempfile.TemporaryDirectory() as output_dir:
         cfg = train_config([*overrides, f"paths.output_dir={output_dir}", "trainer.max_epochs=-1"])
         # the clock counts batches, trainer.max_steps optimizer steps
-        batches = warmup + steps + 1 + sync_steps
-        cfg.trainer.max_steps = math.ceil(batches / cfg.trainer.get("accumulate_grad_batches", 1))
+        cfg.trainer.max_steps = math.ceil(clock.batches / cfg.trainer.get("accumulate_grad_batches", 1))
         datamodule, model, trainer = build(cfg, [clock])
         trainer.fit(model, datamodule=datamodule)
     return clock
@@ -200,9 +216,10 @@ def measure(
     between_validations = batches_between_validations(trainer, len(loader))
     on_gpu = trainer.strategy.root_device.type == "cuda"
     sync_steps = sync_steps if on_gpu else 0  # CUDA's syncs
-    if between_validations <= warmup + steps + sync_steps:  # the Lightning run would take one in
+    needed = StepClock(warmup, steps, sync_steps).batches
+    if between_validations < needed:  # the Lightning run would take one in
         raise ConfigError(
-            f"--warmup {warmup} and --steps {steps} need more than {warmup + steps + sync_steps} training "
+            f"--warmup {warmup} and --steps {steps} need {needed} training "
             f"batches between validations, and these settings give {between_validations}: lower them, "
             "or give more images"
         )
