@@ -6,6 +6,8 @@ import os
 import re
 import shutil
 import sys
+import warnings
+from types import SimpleNamespace
 
 import hydra
 import numpy as np
@@ -58,6 +60,20 @@ def assert_sane_rates(output: str) -> None:
     caller, whose clock never started: it once printed 48,000,000,000 images/s)."""
     rates = [float(rate.replace(",", "")) for rate in re.findall(r"([0-9,]+) images/s", output)]
     assert rates and all(0 < rate < 1e6 for rate in rates), rates
+
+
+def test_lightnings_warning_about_pinned_loaders_made_anew_is_dropped():
+    """On a GPU every run warned that pinned memory, persistent workers and loaders reloaded
+    at every epoch are unstable: its PyTorch issue is a new loader each epoch, and the
+    datamodule hands back the same one (test_datamodule)."""
+    from lightning.pytorch.trainer.connectors.data_connector import _worker_check
+
+    loader = DataLoader(range(4), num_workers=2, persistent_workers=True, pin_memory=True)
+    trainer = SimpleNamespace(num_devices=1, reload_dataloaders_every_n_epochs=1)
+    with warnings.catch_warnings(record=True) as shown:  # the filters as they are
+        tidy_lightning_output()
+        _worker_check(trainer, loader, "train_dataloader")
+    assert not [w for w in shown if "pin_memory" in str(w.message)], [str(w.message) for w in shown]
 
 
 def test_the_log_file_writes_a_file_name_that_is_not_utf8_escaped(tmp_path):

@@ -135,9 +135,10 @@ def tidy_lightning_output() -> None:
     instead, so that they reach Hydra's console and the run's log file once. And drop what
     asks nothing of the user: a torch deprecation inside Lightning's own code, a warning
     about a hook that only the LightningModule defines (it warns whenever a datamodule is
-    passed too), and an advert. The log file writes a file name that is not UTF-8 (os.fsdecode
-    keeps its bytes as surrogates) escaped, as the console does: each such line failed there
-    with a traceback of logging's, and the file lacked the warning that named the image."""
+    passed too), one about loaders that the datamodule does not make, and an advert. The log
+    file writes a file name that is not UTF-8 (os.fsdecode keeps its bytes as surrogates)
+    escaped, as the console does: each such line failed there with a traceback of logging's,
+    and the file lacked the warning that named the image."""
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logger = logging.getLogger(name)
         logger.handlers.clear()
@@ -150,6 +151,12 @@ def tidy_lightning_output() -> None:
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     warnings.filterwarnings(
         "ignore", message="You have overridden `on_before_batch_transfer` in `LightningModule`"
+    )
+    # On a GPU, at every fit, evaluation and prediction: its PyTorch issue is a new loader at
+    # each epoch, whose persistent workers and pin-memory thread pile up; the datamodule hands
+    # back the same loader while its settings last (PackedImageDataModule._loader).
+    warnings.filterwarnings(
+        "ignore", message=r"The combination of `DataLoader\(`pin_memory=True`, `persistent"
     )
     # A named function, not a lambda: addFilter skips a filter it already holds, so a sweep's
     # jobs and spawned ranks, each calling this, do not stack copies of it.
