@@ -180,11 +180,24 @@ def image_mixes(count: int):
 
 # The last value: model.net.grad_checkpointing, its recomputed blocks traced with the rest.
 CHECKPOINTING = ((False, ""), (True, "-grad-checkpointing"))
+# Strict: once torch traces it, the test says so and the README's note goes.
+FLEX_CHECKPOINTED = pytest.mark.xfail(
+    reason="torch 2.11 on an H200 (2026-11-28): 6 graphs, FlexAttention inside torch's checkpoint "
+    "under torch.compile (pytorch/pytorch#167116)",
+    strict=True,
+)
 COMPILE_ONCE = [
     pytest.param("cpu", "sdpa", torch.float32, checkpointed, id=f"cpu-sdpa{suffix}")
     for checkpointed, suffix in CHECKPOINTING
 ] + [
-    pytest.param("cuda", backend, dtype, checkpointed, id=f"cuda-{backend}-{str(dtype)[6:]}{suffix}")
+    pytest.param(
+        "cuda",
+        backend,
+        dtype,
+        checkpointed,
+        id=f"cuda-{backend}-{str(dtype)[6:]}{suffix}",
+        marks=[FLEX_CHECKPOINTED] if backend == "flex" and checkpointed else [],
+    )
     for backend, dtype in (("sdpa", torch.float32), ("flex", torch.float32), ("varlen", torch.bfloat16))
     for checkpointed, suffix in CHECKPOINTING
     if "cuda" in DEVICES and (backend != "varlen" or varlen_available(torch.device("cuda")))
@@ -209,8 +222,13 @@ def test_compiled_network_compiles_once_without_graph_breaks(device, backend, dt
         batch = PackedBatch(*(field.to(device) for field in batch))
         with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
             net(batch).float().sum().backward()
-    assert counters["stats"]["unique_graphs"] == 1
-    assert not counters["graph_break"] and not counters["recompiles"]
+    # the breaks and recompiles named where there is more than one graph
+    compiled = (
+        counters["stats"]["unique_graphs"],
+        dict(counters["graph_break"]),
+        dict(counters["recompiles"]),
+    )
+    assert compiled == (1, {}, {})
 
 
 @pytest.mark.slow
