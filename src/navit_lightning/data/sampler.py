@@ -209,6 +209,15 @@ class _EpochPlan:
 _DIGEST_CHUNK = 1 << 20  # images: 32 MiB of key rows at a time
 
 
+class _Resumed(NamedTuple):
+    """Where `PackedBatchSampler.resume` put an epoch: its batches from `start` on, or, where
+    its batches were done but the trainer had not ended it, none, its length kept."""
+
+    epoch: int
+    start: int
+    kept_length: int | None = None
+
+
 class PlanStats(NamedTuple):
     batches: int
     images_per_batch: float
@@ -251,8 +260,7 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
         self.rank = rank
         self.sampler = EpochOrder(len(self.sizes), shuffle, seed)  # Lightning calls set_epoch on it
         self._plan: _EpochPlan | None = None
-        self._resume_at: tuple[int, int] | None = None  # (epoch, batches to skip)
-        self._resumed_over: tuple[int, int] | None = None  # (epoch, batches per rank): see resume
+        self._resumed: _Resumed | None = None
 
     def _epoch_plan(self) -> _EpochPlan:
         epoch = self.sampler.epoch
@@ -276,29 +284,33 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
         # The batches are chosen here, not as the iterator advances: Lightning sets the epoch
         # after the loader's iterator exists (FitLoop.setup_data before on_advance_start).
         # A DataLoader calls iter() twice for one pass: the skip holds for the whole epoch.
-        if self._resumed_over_length() is not None:
+        resumed = self._resumed_here()
+        if resumed is None:
+            self._resumed = None  # its epoch is over
+        elif resumed.kept_length is not None:
             return iter(())
-        if self._resume_at is not None and self._resume_at[0] != self.sampler.epoch:
-            self._resume_at = None
-        start = self._resume_at[1] if self._resume_at else 0
+        start = resumed.start if resumed else 0
         return _dealt(self._epoch_plan(), self._rank_batches(), start, len(self))
 
     def __len__(self) -> int:
-        over = self._resumed_over_length()
-        return over if over is not None else self._per_rank(self._epoch_plan())
+        resumed = self._resumed_here()
+        if resumed is not None and resumed.kept_length is not None:
+            return resumed.kept_length
+        return self._per_rank(self._epoch_plan())
 
     def coming_length(self) -> int:
         """Each rank's batches of the epoch to train next, at this sampler's settings: the
         current one's (its length), or after an epoch resumed past its batches (see resume,
         whose length is the checkpoint's), the one after it."""
-        if self._resumed_over_length() is None:
+        resumed = self._resumed_here()
+        if resumed is None or resumed.kept_length is None:
             return len(self)
         return self._per_rank(self._plan_of(self.sampler.epoch + 1))
 
-    def _resumed_over_length(self) -> int | None:
-        """The current epoch's batches per rank where it was resumed after its last batch."""
-        over = self._resumed_over
-        return over[1] if over is not None and over[0] == self.sampler.epoch else None
+    def _resumed_here(self) -> _Resumed | None:
+        """The resume's state while its epoch is the current one."""
+        resumed = self._resumed
+        return resumed if resumed is not None and resumed.epoch == self.sampler.epoch else None
 
     def position(self, batches_done: int, epoch_ended: bool = False) -> dict[str, Any]:
         """Where training is: `batches_done` of this epoch's batches on every rank (the same
@@ -326,7 +338,7 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
             return
         self.sampler.set_epoch(epoch)
         if done >= position["batches_per_rank"]:
-            self._resumed_over = (epoch, position["batches_per_rank"])
+            self._resumed = _Resumed(epoch, done, kept_length=position["batches_per_rank"])
             return
         refuse_other_ranks(position, self.num_replicas)
         if position["plan"] != self._epoch_plan().digest:
@@ -334,7 +346,7 @@ class PackedBatchSampler(Sampler[list[SampleKey]]):
                 f"{stopped_at(position)}, planned from other data (the images under data.root, or the "
                 f"data.* or seed settings, changed since): resume with the same ones, {RESUME_AT_EPOCH_END}"
             )
-        self._resume_at = (epoch, done)
+        self._resumed = _Resumed(epoch, done)
 
     def plan_stats(self) -> PlanStats:
         """The current epoch's plan, the same on every rank: its batches on each rank, and
