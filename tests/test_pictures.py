@@ -93,7 +93,9 @@ def test_a_short_default_run_shows_pictures_and_hparams(run_entry_point):
 )
 def test_the_hparams_tab_declares_only_the_results_the_run_gives(tmp_path, project_root, overrides, declared):
     """A run without a test (Optuna's trials, debug=overfit) showed hp/test_acc at its
-    placeholder, 0.0, as its result; one that does not train has no effective batch."""
+    placeholder, 0.0, as its result; one that does not train has no effective batch. Declared
+    with no value: a placeholder logged at step 0 was the run's last value where a resume was
+    refused before its first step."""
     cfg = compose_train(overrides, tmp_path, project_root)
     with open_dict(cfg):
         del cfg.hydra  # Hydra's own node, as a run's config holds none (set by compose_train)
@@ -105,6 +107,7 @@ def test_the_hparams_tab_declares_only_the_results_the_run_gives(tmp_path, proje
     assert [
         name for name in ("hp/test_acc", "hp/val_acc", *EFFECTIVE_BATCH_METRICS) if name in content
     ] == declared
+    assert events.Tags()["scalars"] == []
 
 
 def test_the_confusion_matrix_of_many_classes_is_a_picture_of_a_fixed_size():

@@ -55,14 +55,14 @@ def test_training_ends_with_accuracy_across_resolutions_and_eval_py_agrees(run_e
     assert (run / "resolution_accuracy.png").stat().st_size > 10_000
     scalars = logged_scalars(run / "tensorboard")
     assert [step for step, _ in scalars["resolution/acc"]] == [9, 16, 36, 64]
-    # at the step the ranks trained to, where the launching process logs them (after the
-    # HPARAMS tab's placeholders at step 0)
+    # at the step the ranks trained to, where the launching process logs them (the HPARAMS
+    # tab declares them with no value before)
     trained_to = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
     assert trained_to > 0
     assert {tag: [step for step, _ in scalars[tag]] for tag in ("test/acc", "hp/val_acc", "hp/test_acc")} == {
         "test/acc": [trained_to],
-        "hp/val_acc": [0, trained_to],
-        "hp/test_acc": [0, trained_to],
+        "hp/val_acc": [trained_to],
+        "hp/test_acc": [trained_to],
     }
 
     # counted in the ranks: the launching process of ddp_spawn has no data set up to count

@@ -10,7 +10,6 @@ import hydra
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, WeightAveraging
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -42,7 +41,12 @@ from navit_lightning.utils.instantiate import (
     instantiate_group,
     switched_on,
 )
-from navit_lightning.utils.loggers import finish_loggers, instantiate_loggers, loggers_closed_on_failure
+from navit_lightning.utils.loggers import (
+    finish_loggers,
+    instantiate_loggers,
+    log_run_config,
+    loggers_closed_on_failure,
+)
 from navit_lightning.utils.shutdown import (
     StopTogetherOnSigterm,
     explain_collective_failure,
@@ -104,12 +108,8 @@ def build(
     trainer: L.Trainer = hydra.utils.instantiate(
         cfg.trainer, callbacks=callbacks, logger=loggers or False, enable_checkpointing=checkpointing
     )
-    for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger):  # its HPARAMS tab lists the metrics named here
-            declared = declared_results(cfg) + (list(EFFECTIVE_BATCH_METRICS) if cfg.get("train") else [])
-            logger.log_hyperparams(run_config, dict.fromkeys(declared, 0.0))
-        else:
-            logger.log_hyperparams(run_config)
+    declared = declared_results(cfg) + (list(EFFECTIVE_BATCH_METRICS) if cfg.get("train") else [])
+    log_run_config(trainer.loggers, run_config, declared)
     return datamodule, model, trainer
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import csv
 import os
 from argparse import Namespace
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
 from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
-from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
@@ -154,6 +154,28 @@ class ResumableMLFlowLogger(MLFlowLogger):
                 + ", ".join(f"{key}={kept[key]} (now {value})" for key, value in told.items())
             )
         super().log_hyperparams({key: value for key, value in given.items() if key not in changed})
+
+
+def log_run_config(loggers: Sequence[Logger], config: dict[str, Any], results: Sequence[str]) -> None:
+    """The run's config into each logger; TensorBoard's HPARAMS tab lists the `results` that
+    finish_loggers logs at the end beside it. Lightning's log_hyperparams logs a value for
+    each at step 0, a placeholder, which the tab shows as a result where the run gives none:
+    a resume refused before its first step left 0.0 as its run's last value there."""
+    for logger in loggers:
+        logger.log_hyperparams(config)
+        if isinstance(logger, TensorBoardLogger) and results:
+            _declare_results(logger, config, results)
+
+
+@rank_zero_only
+def _declare_results(logger: TensorBoardLogger, config: dict[str, Any], results: Sequence[str]) -> None:
+    from torch.utils.tensorboard.summary import hparams
+
+    # as Lightning's log_hyperparams writes them, less the values (only the names are read)
+    params = logger._sanitize_params(_flatten_dict(_convert_params(config)))
+    writer = logger.experiment._get_file_writer()
+    for summary in hparams(params, dict.fromkeys(results, 0.0)):
+        writer.add_summary(summary)
 
 
 def finish_loggers(trainer: L.Trainer, final: dict[str, float], status: str = "success") -> None:
