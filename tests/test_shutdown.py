@@ -204,8 +204,9 @@ RANK_REQUESTS = [(STOP, STOP), (REQUEUE, STOP), (NOTHING, STOP), (NOTHING, NOTHI
 AGREED = [STOP, REQUEUE, STOP, NOTHING]
 
 
-def stop_together(rank: int) -> list[str]:
-    """StopTogetherOnSigterm's decision on `rank` of a 2-rank group for each of RANK_REQUESTS."""
+def stop_together(rank: int, at_fit_end: bool) -> list[str]:
+    """StopTogetherOnSigterm's decision on `rank` of a 2-rank group for each of RANK_REQUESTS:
+    before a training step, or (`at_fit_end`) at the fit's end, after its last step."""
     trainer = SimpleNamespace(
         world_size=2, accumulate_grad_batches=1, strategy=SimpleNamespace(collective_timeout_s=30)
     )
@@ -218,7 +219,11 @@ def stop_together(rank: int) -> list[str]:
             signum = signal.SIGUSR1 if requests[rank] == REQUEUE else signal.SIGTERM
             callback._record(rank, requests[rank], signum, None)
         try:
-            callback.on_train_batch_start(trainer, None, None, 0)
+            if at_fit_end:
+                callback.on_train_end(trainer, None)
+                callback.on_fit_end(trainer, None)
+            else:
+                callback.on_train_batch_start(trainer, None, None, 0)
             decisions.append(NOTHING)
         except RequeueRequested:
             decisions.append(REQUEUE)
@@ -228,11 +233,39 @@ def stop_together(rank: int) -> list[str]:
     return decisions
 
 
-def test_ranks_signalled_alike_stop_alike_on_the_strongest_request():
+@pytest.mark.parametrize("at_fit_end", [False, True])
+def test_ranks_signalled_alike_stop_alike_on_the_strongest_request(at_fit_end):
     """scancel (and torchrun, forwarding SIGTERM) signals every rank: all of them asked to
     stop must stop, not requeue (a sum of the requests said REQUEUE at 2 ranks, and nothing
-    at 3); a requeue and a stop requeue."""
-    assert on_two_gloo_ranks(stop_together) == {0: AGREED, 1: AGREED}
+    at 3); a requeue and a stop requeue. Also a signal in the last validation, after the last
+    step: the fit ended as planned, and its test (or a sweep's next job) went on."""
+    assert on_two_gloo_ranks(stop_together, at_fit_end) == {0: AGREED, 1: AGREED}
+
+
+WORKING_AFTER_SIGTERM = """
+import os, signal, sys, time
+from navit_lightning.utils import shutdown
+
+shutdown.end_promptly_on_signals(grace_s=1.0)
+signal.signal(signal.SIGTERM, lambda *_: None)  # recorded, as StopTogetherOnSigterm does
+os.kill(os.getpid(), signal.SIGTERM)
+print(time.monotonic(), flush=True)  # the system's clock: the test reads it too
+for _ in range(10):  # batches of a validation, 0.3 s each, to the next training step
+    time.sleep(0.3)
+    shutdown.note_progress()
+time.sleep(5)  # then stuck
+"""
+
+
+def test_the_watchdogs_grace_runs_from_the_last_batch_after_a_signal(tmp_path):
+    """A SIGTERM in a validation longer than the grace killed the run unsaved: it stops at
+    the next training step. Stuck (no batch ends), it is ended after the grace."""
+    script = tmp_path / "working.py"
+    script.write_text(WORKING_AFTER_SIGTERM)
+    result = run_whole([sys.executable, str(script)], timeout=60)
+    took = time.monotonic() - float(result.stdout)
+    assert result.returncode == 128 + signal.SIGTERM and "no batch ended" in result.stderr, result.stderr
+    assert 4.0 <= took < 6.0, took  # 3 s of batches, then the grace
 
 
 @pytest.mark.parametrize("in_sweep", [False, True])

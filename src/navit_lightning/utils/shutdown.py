@@ -11,16 +11,19 @@ Two ways a run used to hang for good:
   forwards the signal to the other ranks), and the parent of ddp_spawn ranks died without
   them. `end_promptly_on_signals` gives each process a watchdog thread, woken through
   `signal.set_wakeup_fd`: after SIGTERM or SIGINT it leaves the main thread `grace_s` seconds
-  to stop on its own (Lightning's graceful path), then kills the process's descendants
-  (ranks, loader workers) and exits.
+  to stop on its own (Lightning's graceful path), from the signal or from the last batch
+  that ended since (`note_progress`), then kills the process's descendants (ranks, loader
+  workers) and exits.
 
 And a SIGTERM during training stops every rank before the same training step, where
-`last.ckpt` is written (`StopTogetherOnSigterm`).
+`last.ckpt` is written (`StopTogetherOnSigterm`); one after the fit's last training step
+ends the fit there, without its test.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -48,6 +51,7 @@ log = logging.getLogger("navit_lightning")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 GRACE_S = 5.0
 _watchdog: threading.Thread | None = None
+_progress_at = -math.inf  # time.monotonic() when a batch last ended (note_progress)
 
 
 def end_promptly_on_signals(grace_s: float = GRACE_S) -> None:
@@ -79,13 +83,27 @@ def _forget_in_child() -> None:
         signal.set_wakeup_fd(-1)
 
 
+def note_progress() -> None:
+    """A batch ended. After a stop signal the process goes on to where it can stop (the next
+    optimizer step, through a validation or the rest of an accumulation window): the
+    watchdog's grace runs from the last such batch, not from the signal, which killed runs
+    in a validation longer than the grace unsaved."""
+    global _progress_at
+    _progress_at = time.monotonic()
+
+
 def _watch(read_fd: int, grace_s: float) -> None:
     while (signum := os.read(read_fd, 1)[0]) not in STOP_SIGNALS:
         pass
-    time.sleep(grace_s)
+    signalled_at = time.monotonic()
+    while (idle := time.monotonic() - max(signalled_at, _progress_at)) < grace_s:
+        time.sleep(grace_s - idle)
     # Still here: the main thread is stuck (a collective, a join on stuck children).
     name = signal.Signals(signum).name
-    log.error(f"error: {name} not handled within {grace_s:.0f} s: stopping this process and its children")
+    log.error(
+        f"error: {name} not handled within {grace_s:.0f} s (no batch ended): "
+        "stopping this process and its children"
+    )
     for pid in descendants(os.getpid()):
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -175,13 +193,37 @@ class StopTogetherOnSigterm(L.Callback):
     ) -> None:
         if batch_idx % trainer.accumulate_grad_batches:
             return  # the optimizer step under way has batches still to accumulate
+        # before this batch's step, which ResumeCheckpoint's save counts back
+        self._stop_if_requested()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        note_progress()
+
+    def on_validation_batch_end(self, *args: Any) -> None:
+        note_progress()
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A signal after the last training step (in the last validation): the fit ended as
+        # planned, and its test or the sweep's next job went on until the scheduler's kill.
+        # Every rank ends its training here, in the same order; the stop comes in on_fit_end,
+        # after the checkpoint callbacks' on_train_end.
+        self.signalled = self._requested()
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stop_if_requested(self.signalled)
+
+    def _requested(self) -> int:
+        """The strongest request of any rank (a collective)."""
         request = torch.tensor(self.signalled)
         if self._group is not None:
             torch.distributed.all_reduce(request, op=torch.distributed.ReduceOp.MAX, group=self._group)
-        # before this batch's step, which ResumeCheckpoint's save counts back
-        if request.item() == REQUEUE:
+        return int(request.item())
+
+    def _stop_if_requested(self, request: int | None = None) -> None:
+        request = self._requested() if request is None else request
+        if request == REQUEUE:
             raise RequeueRequested(128 + signal.SIGUSR1)
-        if request.item() == STOP:
+        if request == STOP:
             raise SIGTERMException(128 + signal.SIGTERM)
 
 
