@@ -482,6 +482,12 @@ def test_the_ema_update_lerps_floats_copies_counts_and_pickles():
     counts = [torch.tensor(7)]
     ema_update(0.25, counts, [torch.tensor(12)], None)
     assert counts[0].item() == 12
+    # bf16-true and 64-true convert the model after WeightAveraging copied it: the average
+    # stays float32 (it failed at the first step)
+    for dtype in (torch.bfloat16, torch.float64):
+        kept = [torch.zeros(3)]
+        ema_update(0.25, kept, [torch.full((3,), 4.0, dtype=dtype)], None)
+        assert kept[0].dtype == torch.float32 and torch.equal(kept[0], torch.full((3,), 1.0))
     restored = pickle.loads(pickle.dumps(EMAWeights(decay=0.9)))  # ddp_spawn sends it to the ranks
     assert restored._kwargs["multi_avg_fn"].args == (pytest.approx(0.1),)
     with pytest.raises(ConfigError, match=r"callbacks.ema.decay=1 must be in \[0, 1\)"):

@@ -48,8 +48,12 @@ class KeepFreedHostMemory(L.Callback):
 def ema_update(weight: float, averages: list[torch.Tensor], currents: list[torch.Tensor], _: Any) -> None:
     """average += weight * (current - average), over a group of tensors of one dtype and device
     (AveragedModel's multi_avg_fn). Integer buffers (BatchNorm's batch count) take the current
-    value."""
+    value. The averages keep the dtype the model had before the precision plugin converted it
+    (WeightAveraging copies it first): under bf16-true or 64-true the current weights are cast
+    to it, where lerp refused mixed dtypes at the first step."""
     if averages[0].is_floating_point():
+        if currents[0].dtype != averages[0].dtype:
+            currents = [current.to(averages[0].dtype) for current in currents]
         torch._foreach_lerp_(averages, currents, weight)
     else:
         torch._foreach_copy_(averages, currents)
