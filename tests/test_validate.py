@@ -27,7 +27,7 @@ from navit_lightning.train import build
 from navit_lightning.utils import checkpoints, validate
 from navit_lightning.utils.entry_point import refusal, refuse_null_groups, refuse_two_modes
 from navit_lightning.utils.instantiate import instantiate_datamodule
-from navit_lightning.utils.validate import check_launch
+from navit_lightning.utils.validate import check_launch, check_monitors
 from tests.conftest import TINY_RUN, bare_trainer
 from tests.test_configs import compose_train
 
@@ -694,6 +694,30 @@ def test_refusal_is_one_line_and_exit_code_2(run_entry_point, overrides, message
     errors = [line for line in lines if "error:" in line]
     assert len(errors) == 1 and message in errors[0], errors
     assert lines == errors  # Lightning's "Seed set to 42" came before the line of some
+
+
+@pytest.mark.parametrize(
+    ("monitor", "mode", "refusal"),
+    [
+        ("val/loss", "max", "callbacks.model_checkpoint.monitor=val/loss with mode=max takes the highest"),
+        ("val/acc", "min", "takes the lowest as the best: add callbacks.model_checkpoint.mode=max"),
+        ("val/loss", None, None),  # Lightning's default mode, min
+        ("val/acc", "max", None),
+        ("train/images_per_batch", "min", None),  # no better way that the name tells
+    ],
+)
+def test_a_monitor_whose_mode_takes_the_worst_as_the_best_is_refused(monitor, mode, refusal):
+    """monitor=val/loss alone kept the configs' mode: max: the run tested its worst
+    checkpoint, and early stopping stopped a run whose loss was falling."""
+    callbacks = OmegaConf.create(
+        {"model_checkpoint": {"monitor": monitor} | ({"mode": mode} if mode else {})}
+    )
+    monitorable = {"val/loss", "val/acc", "train/images_per_batch"}
+    if refusal is None:
+        check_monitors(callbacks, monitorable)
+        return
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        check_monitors(callbacks, monitorable)
 
 
 @pytest.mark.slow

@@ -294,7 +294,9 @@ def check_fused_optimizer(cfg: DictConfig) -> None:
 
 def check_monitors(callbacks: DictConfig | None, monitorable: set[str]) -> None:
     """A callback that monitors a metric the model never logs fails after the first
-    validation, an epoch into the run (Lightning's own check)."""
+    validation, an epoch into the run (Lightning's own check). One whose mode goes the wrong
+    way for its metric (the configs' mode: max, kept when the monitor became val/loss) kept
+    the worst checkpoint, or stopped a run that was improving, without a word."""
     for name, settings in (callbacks or {}).items():
         monitor = (settings or {}).get("monitor")
         if monitor is not None and monitor not in monitorable:
@@ -303,6 +305,19 @@ def check_monitors(callbacks: DictConfig | None, monitorable: set[str]) -> None:
                 f"use one of {', '.join(sorted(monitorable))} (a model of your own names the "
                 "metrics it logs in its monitorable_metrics())"
             )
+        better = better_direction(monitor) if monitor is not None else None
+        mode = settings.get("mode", "min")  # Lightning's default
+        if better is not None and mode != better:
+            raise ConfigError(
+                f"callbacks.{name}.monitor={monitor} with mode={mode} takes the "
+                f"{'highest' if mode == 'max' else 'lowest'} as the best: add callbacks.{name}.mode={better}"
+            )
+
+
+def better_direction(metric: str) -> str | None:
+    """min for a loss, max for an accuracy; None for a metric of other kinds."""
+    name = metric.rsplit("/", 1)[-1]
+    return "min" if "loss" in name else "max" if name.startswith("acc") else None
 
 
 def check_patch_budgets(budgets: object) -> None:
