@@ -134,6 +134,19 @@ def test_the_same_command_continues_a_study_cut_short(run_entry_point):
     trials = results(run_entry_point)["trials"]
     assert [t["number"] for t in trials] == [0, 1, 2, 3] and trials[3]["params"] != trials[2]["params"]
 
+    # Continued under other settings (another objective, a direction Optuna would not take):
+    # ranked with the trials before them
+    other = [*TINY_RUN, "optimized_metric=val/loss", "hydra.sweeper.direction=minimize"]
+    result = run_entry_point(
+        "train.py", "-m", "hparams_search=optuna", "hydra.sweeper.n_trials=4", *other, check=False
+    )
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
+    assert (
+        "ran its trials with other direction (maximize; now minimize), optimized_metric (val/acc_best; now"
+        in errors[0]
+    )
+
 
 def test_a_study_whose_trials_log_no_optimized_metric_ends_at_the_first(run_entry_point):
     """Every trial would end so, and a failed trial is replaced only when a crash cut it

@@ -138,6 +138,7 @@ class OptunaSweeper(Sweeper):
                 direction=self.direction,
                 load_if_exists=True,
             )
+            self._refuse_other_settings(study, fixed)
             # A study continued by a new process: a sampler seeded as the first one was would draw
             # the parameters of its first trials again.
             study.sampler = optuna.samplers.TPESampler(seed=self.seed + len(study.trials))
@@ -169,6 +170,29 @@ class OptunaSweeper(Sweeper):
                     )
                     raise SystemExit(2)
             self._write_results(study, sweep_dir)
+
+    def _refuse_other_settings(self, study: Any, fixed: list[Override]) -> None:
+        """A study continued under other settings ranked the trials of both together (and
+        Optuna keeps the direction a study was created with, whatever it is given later): its
+        settings are stored with it, and a later command must give the same."""
+        settings = {
+            "direction": self.direction,
+            "optimized_metric": str(self.config.get("optimized_metric")),
+            "settings": " ".join(sorted(o.input_line for o in fixed)),
+            "hydra.sweeper.params": " ".join(f"{key}={value}" for key, value in sorted(self.params.items())),
+        }
+        # a study of an earlier version holds no settings: its direction alone is known
+        kept = {**study.user_attrs.get("settings", settings), "direction": study.direction.name.lower()}
+        if changed := [key for key, value in settings.items() if kept[key] != value]:
+            log.error(
+                f"error: study {self.study_name!r} ran its trials with other "
+                + ", ".join(
+                    f"{key} ({kept[key] or 'none'}; now {settings[key] or 'none'})" for key in changed
+                )
+                + ": continue it with the same, or start another with hydra.sweeper.study_name=<name>"
+            )
+            raise SystemExit(2)
+        study.set_user_attr("settings", settings)
 
     @contextmanager
     def _alone_in(self, sweep_dir: Path) -> Iterator[None]:
@@ -230,7 +254,7 @@ class OptunaSweeper(Sweeper):
         results = {
             "name": "optuna",
             "study_name": self.study_name,
-            "direction": self.direction,
+            "direction": study.direction.name.lower(),
             "best_trial": study.best_trial.number,
             "best_params": study.best_params,
             "best_value": study.best_value,
