@@ -235,6 +235,22 @@ def test_a_searched_setting_given_a_value_is_refused(caplog):
     assert ended.value.code == 2 and "error: optimizer.lr given and searched by hparams_search" in caplog.text
 
 
+def test_a_searched_setting_given_no_search_space_is_refused_with_one_line(caplog):
+    """hydra.sweeper.params={optimizer.lr:1e-3}: a traceback, the setting named twice."""
+    from hydra_plugins.navit_optuna_sweeper.optuna_sweeper import OptunaSweeper
+
+    sweeper = OptunaSweeper(
+        "shapes", None, "maximize", n_trials=1, n_jobs=1, seed=0, params={"optimizer.lr": 1e-3}
+    )
+    with pytest.raises(SystemExit) as ended:
+        sweeper.sweep(["seed=3"])
+    assert ended.value.code == 2
+    assert (
+        "error: hydra.sweeper.params.optimizer.lr=0.001 is not a search space: use interval(a, b)"
+        in caplog.text
+    )
+
+
 def test_a_study_another_process_runs_is_refused(tmp_path, caplog):
     """The same command started twice: the second failed the first one's running trial as a
     crash's, and the first ended in a traceback when it told its result."""

@@ -54,7 +54,7 @@ def distribution(override: Override) -> Any:
     if isinstance(sweep, ChoiceSweep):
         return CategoricalDistribution(sweep.list)
     raise ValueError(
-        f"hydra.sweeper.params.{override.key_or_group}={override.input_line} is not a search "
+        f"hydra.sweeper.params.{override.key_or_group}={override.get_value_element_as_str()} is not a search "
         "space: use interval(a, b), tag(log, interval(a, b)), range(a, b, step=s) or choice(a, b)"
     )
 
@@ -122,13 +122,18 @@ class OptunaSweeper(Sweeper):
         if searched:  # each trial's value would replace it without a word
             log.error(
                 f"error: {', '.join(searched)} given and searched by hparams_search: leave it out of the "
-                "command, or search another space ('hydra.sweeper.params={...}' without it)"
+                "command, or give the whole space without it (~hydra.sweeper.params "
+                "'+hydra.sweeper.params={...}': a space given alone is merged into the config's)"
             )
             raise SystemExit(2)
-        space = {
-            o.get_key_element(): distribution(o)
-            for o in parser.parse_overrides([f"{key}={value}" for key, value in self.params.items()])
-        }
+        try:
+            space = {
+                o.get_key_element(): distribution(o)
+                for o in parser.parse_overrides([f"{key}={value}" for key, value in self.params.items()])
+            }
+        except ValueError as error:
+            log.error(f"error: {error}")
+            raise SystemExit(2) from None
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         with self._alone_in(sweep_dir):
