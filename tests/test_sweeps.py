@@ -251,6 +251,19 @@ def test_a_searched_setting_given_no_search_space_is_refused_with_one_line(caplo
     )
 
 
+def test_a_second_study_in_a_studys_folder_is_refused(tmp_path, caplog):
+    """Two studies in one pinned hydra.sweep.dir: the second wrote its trials into the
+    first one's numbered folders, and over its results file."""
+    from hydra_plugins.navit_optuna_sweeper.optuna_sweeper import claim_folder
+
+    claim_folder(tmp_path, "shapes")
+    claim_folder(tmp_path, "shapes")  # the same study, continued
+    with pytest.raises(SystemExit) as ended:
+        claim_folder(tmp_path, "other")
+    assert ended.value.code == 2
+    assert f"error: hydra.sweep.dir={tmp_path} holds the trials of study 'shapes'" in caplog.text
+
+
 def test_a_study_another_process_runs_is_refused(tmp_path, caplog):
     """The same command started twice: the second failed the first one's running trial as a
     crash's, and the first ended in a traceback when it told its result."""

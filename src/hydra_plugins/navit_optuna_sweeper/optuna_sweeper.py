@@ -61,6 +61,21 @@ def distribution(override: Override) -> Any:
 
 # The study's record of the trials a crash cut short: failed, but not counted in n_trials.
 CUT_SHORT = "cut_short_trials"
+# In a study's folder: the name of the study whose trials it holds.
+STUDY_OF_FOLDER = ".optuna_study"
+
+
+def claim_folder(sweep_dir: Path, study_name: str) -> None:
+    """Trial folders are numbered by trial (<sweep_dir>/<n>): a second study in a folder
+    pinned with hydra.sweep.dir wrote its trials over the first one's, and its results file."""
+    marker = sweep_dir / STUDY_OF_FOLDER
+    if marker.exists() and (owner := marker.read_text()) != study_name:
+        log.error(
+            f"error: hydra.sweep.dir={sweep_dir} holds the trials of study {owner!r}, which study "
+            f"{study_name!r} would write over: give it a folder of its own (another hydra.sweep.dir)"
+        )
+        raise SystemExit(2)
+    marker.write_text(study_name)
 
 
 def trials_run(study: Any) -> int:
@@ -137,6 +152,7 @@ class OptunaSweeper(Sweeper):
         sweep_dir = Path(self.config.hydra.sweep.dir)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         with self._alone_in(sweep_dir):
+            claim_folder(sweep_dir, self.study_name)
             study = optuna.create_study(
                 study_name=self.study_name,
                 storage=self.storage,
