@@ -9,6 +9,7 @@ import re
 import shutil
 import signal
 import subprocess
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -96,6 +97,13 @@ def test_resuming_another_network_other_classes_or_an_ema_run_without_ema_is_ref
         check_resumable(model, config, path, False, classes)
     torch.save({**weights, "optimizer_states": []}, path)
     check_resumable(*built_model("model.num_classes=3", "optimizer.weight_decay=0.5"), path, False, classes)
+    # a sweep resumed with its seeds in another order: seed=0's job went on from seed 1's run
+    torch.save({**weights, "optimizer_states": [], "run_config": {**run_config, "seed": 1}}, path)
+    check_resumable(model, config, path, False, classes, seed=1)
+    check_resumable(model, config, path, False, classes, fitting=False, seed=0)  # evaluated
+    with pytest.raises(ConfigError, match=re.escape(f"{path} was trained with seed=1, not 0: a resumed run")):
+        check_resumable(model, config, path, False, classes, seed=0)
+    torch.save({**weights, "optimizer_states": []}, path)
     # its rate and schedule resume as saved: the run trained at 5e-4, its config said 1e-2
     with pytest.raises(
         ConfigError,
@@ -1038,6 +1046,18 @@ class ScriptedValAcc(BoringModel):
 
     def on_validation_epoch_end(self) -> None:
         self.validations += 1
+
+
+@pytest.mark.parametrize(
+    "timing", [{"every_n_train_steps": 3}, {"train_time_interval": timedelta(seconds=60)}]
+)
+def test_a_best_checkpoint_saved_between_validations_is_refused(timing):
+    """Lightning then saves at training steps alone, each scored with the last validation's
+    value: the run tested a step's weights as the best, scored with older ones' val/acc."""
+    key = next(iter(timing))
+    with pytest.raises(ConfigError, match=f"callbacks.model_checkpoint.{key} saves between validations"):
+        BestCheckpoint(monitor="val/acc", mode="max", **timing)
+    BestCheckpoint(**timing)  # nothing monitored: a save of the weights as they are
 
 
 def test_a_best_checkpoint_is_kept_through_two_validations_an_epoch_under_save_top_k(tmp_path):

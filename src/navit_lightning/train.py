@@ -203,7 +203,7 @@ def fit_and_test(
         # train=false evaluates a callbacks=ema checkpoint's weights, its average, as eval.py does
         averaging = not cfg.train or any(isinstance(c, WeightAveraging) for c in trainer.callbacks)
         checkpoint = check_resumable(
-            model, cfg.model, ckpt_path, averaging, datamodule.class_names(), fitting=cfg.train
+            model, cfg.model, ckpt_path, averaging, datamodule.class_names(), fitting=cfg.train, seed=cfg.seed
         )
         resume_epoch_ends_as_ended(trainer)
         for callback in trainer.checkpoint_callbacks:

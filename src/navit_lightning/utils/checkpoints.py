@@ -93,6 +93,21 @@ class BestCheckpoint(ModelCheckpoint):
 
     resuming = False  # set for a fit that resumes a checkpoint (the trainer knows only later)
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Lightning then saves at training steps alone, each scored with the last validation's
+        # value: the "best" held other weights than the ones validated, and train.py tested it
+        timed = {
+            "every_n_train_steps": self._every_n_train_steps,
+            "train_time_interval": self._train_time_interval,
+        }
+        if self.monitor is not None and (given := [key for key, value in timed.items() if value]):
+            raise ConfigError(
+                f"callbacks.model_checkpoint.{given[0]} saves between validations, scored with the last "
+                f"one's {self.monitor}: leave it out (the best is saved after validations; "
+                f"callbacks.resume_checkpoint.{given[0]} times last.ckpt)"
+            )
+
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # Lightning warns of a folder holding checkpoints, as a resume's own always does
         with warnings.catch_warnings():
@@ -166,8 +181,11 @@ class ResumeCheckpoint(ModelCheckpoint):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Lightning's saves last.ckpt here where no save came at the last step: also under
-        # trainer.fast_dev_run (debug=fdr), which writes nothing
-        if not self._should_skip_saving_checkpoint(trainer):
+        # trainer.fast_dev_run (debug=fdr), which writes nothing. Not where this process
+        # trained nothing (an early-stopped run resumed stays stopped): the loop had moved to
+        # the next epoch, which a later resume skipped, and WeightAveraging had put the
+        # average into the model, which replaced the trained weights.
+        if self.trained_here and not self._should_skip_saving_checkpoint(trainer):
             super().on_train_end(trainer, pl_module)
 
     def on_exception(
@@ -468,6 +486,7 @@ def check_resumable(
     averaging: bool,
     class_names: list[str],
     fitting: bool = True,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     """The checkpoint at `ckpt_path` (memory-mapped), once it is one to resume (`fitting`;
     train=false tests it).
@@ -479,8 +498,18 @@ def check_resumable(
     weights saved beside it), one of weights alone (save_weights_only) for a fit, which
     failed mid-start with a traceback, after writing a last.ckpt of its own, and a fit at
     another optimizer.lr (the rates and schedule resume as saved: the run would train at the
-    checkpoint's rate while its config and logged settings named the command's)."""
+    checkpoint's rate while its config and logged settings named the command's), and a fit
+    with another `seed` (a sweep resumed with its values in another order took up other jobs'
+    folders: seed=0 went on from seed 1's checkpoint, recorded as seed 0's run)."""
     checkpoint = read_checkpoint(ckpt_path)
+    saved_seed = checkpoint["run_config"].get("seed")
+    if fitting and seed is not None and saved_seed not in (None, seed):
+        raise ConfigError(
+            f"ckpt_path={ckpt_path} was trained with seed={saved_seed}, not {seed}: a resumed run goes on "
+            f"in its checkpoint's data order; resume with seed={saved_seed} (a sweep: with its values in "
+            "the order its first command gave them), or start a fit from its weights with "
+            f"init_from={ckpt_path}"
+        )
     if fitting and "optimizer_states" not in checkpoint:
         raise ConfigError(
             f"ckpt_path={ckpt_path} holds weights alone (no optimizer or loop state to resume): "
