@@ -709,9 +709,8 @@ def test_refusal_is_one_line_and_exit_code_2(run_entry_point, overrides, message
 def test_a_monitor_whose_mode_takes_the_worst_as_the_best_is_refused(monitor, mode, refusal):
     """monitor=val/loss alone kept the configs' mode: max: the run tested its worst
     checkpoint, and early stopping stopped a run whose loss was falling."""
-    callbacks = OmegaConf.create(
-        {"model_checkpoint": {"monitor": monitor} | ({"mode": mode} if mode else {})}
-    )
+    checkpoint = {"monitor": monitor} | ({"mode": mode} if mode else {})
+    callbacks = OmegaConf.create({"model_checkpoint": checkpoint, "learning_rate_monitor": None})  # null: off
     monitorable = {"val/loss", "val/acc", "train/images_per_batch"}
     if refusal is None:
         check_monitors(callbacks, monitorable)

@@ -298,7 +298,8 @@ def check_monitors(callbacks: DictConfig | None, monitorable: set[str]) -> None:
     way for its metric (the configs' mode: max, kept when the monitor became val/loss) kept
     the worst checkpoint, or stopped a run that was improving, without a word."""
     for name, settings in (callbacks or {}).items():
-        monitor = (settings or {}).get("monitor")
+        settings = settings or {}  # callbacks.<name>=null: switched off
+        monitor = settings.get("monitor")
         if monitor is not None and monitor not in monitorable:
             raise ConfigError(
                 f"callbacks.{name}.monitor={monitor} is not a metric the model logs: "
