@@ -494,6 +494,28 @@ def test_the_ema_update_lerps_floats_copies_counts_and_pickles():
         EMAWeights(decay=1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_validation_on_the_ema_average_leaves_both_weights_as_they_were(dtype):
+    """The average keeps float32 under 64-true and bf16-true: Lightning's swap through each
+    other's tensors rounded the trained weights (64-true) or the average (bf16-true) at every
+    validation."""
+    from navit_lightning.utils.callbacks import EMAWeights
+
+    model = torch.nn.Linear(3, 2).to(dtype)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1 / 3, 2 / 3, 1 / 7], [3 / 7, 5 / 9, 1 / 11]], dtype=dtype))
+    averaged = torch.nn.Linear(3, 2)
+    with torch.no_grad():
+        averaged.weight.fill_(1 / 3)
+    ema = EMAWeights()
+    ema._average_model = SimpleNamespace(module=averaged)
+    trained, average = model.weight.detach().clone(), averaged.weight.detach().clone()
+    ema._swap_models(model)  # into the validation
+    assert torch.equal(model.weight, average.to(dtype))
+    ema._swap_models(model)  # back
+    assert torch.equal(model.weight, trained) and torch.equal(averaged.weight, average)
+
+
 def test_epoch_metrics_keep_32_bits_under_bf16_true():
     """Lightning's bf16-true calls .to(torch.bfloat16) on the module, metric states too: the
     image count stopped at 256 (val/acc 0.941 for 0.975 on 1,000 images)."""

@@ -4,6 +4,7 @@ add theirs from resolution.py and predict.py)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from functools import partial
 from typing import Any
@@ -76,6 +77,7 @@ class EMAWeights(WeightAveraging):
             raise ConfigError(f"callbacks.ema.decay={decay} must be in [0, 1): e.g. 0.995")
         super().__init__(multi_avg_fn=partial(ema_update, 1 - decay))
         self.average_in_model = False  # between a fit validation's start and end
+        self._trained: list[torch.Tensor] | None = None  # the trained weights, meanwhile
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
@@ -99,6 +101,23 @@ class EMAWeights(WeightAveraging):
         if self.average_in_model:
             self._swap_models(pl_module)
             self.average_in_model = False
+
+    def _swap_models(self, pl_module: L.LightningModule) -> None:
+        # Into a validation and back. Lightning swaps the two through each other's tensors:
+        # where their dtypes differ (the average keeps float32 under bf16-true and 64-true, see
+        # ema_update) every validation rounded the trained weights (64-true) or the average
+        # (bf16-true). The trained weights wait aside instead, as they are.
+        currents = list(itertools.chain(pl_module.parameters(), pl_module.buffers()))
+        if self._trained is None:
+            self._trained = [current.detach().clone() for current in currents]
+            average = self._average_model.module
+            averages = itertools.chain(average.parameters(), average.buffers())
+            for current, averaged in zip(currents, averages, strict=True):
+                current.data.copy_(averaged.data)
+        else:
+            for current, trained in zip(currents, self._trained, strict=True):
+                current.data.copy_(trained)
+            self._trained = None
 
 
 class PackedThroughputMonitor(ThroughputMonitor):
