@@ -149,6 +149,7 @@ class StopTogetherOnSigterm(L.Callback):
 
     def __init__(self) -> None:
         self.signalled = NOTHING  # or STOP, or REQUEUE: the strongest request so far
+        self.agreed_at_fit_end = NOTHING
         self._group: Any = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -206,11 +207,12 @@ class StopTogetherOnSigterm(L.Callback):
         # A signal after the last training step (in the last validation): the fit ended as
         # planned, and its test or the sweep's next job went on until the scheduler's kill.
         # Every rank ends its training here, in the same order; the stop comes in on_fit_end,
-        # after the checkpoint callbacks' on_train_end.
-        self.signalled = self._requested()
+        # after the checkpoint callbacks' on_train_end, on what the ranks agreed here (a signal
+        # after that is left to the watchdog, as one after the fit was before).
+        self.agreed_at_fit_end = self._requested()
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._stop_if_requested(self.signalled)
+        self._stop_if_requested(self.agreed_at_fit_end)
 
     def _requested(self) -> int:
         """The strongest request of any rank (a collective)."""
