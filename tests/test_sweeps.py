@@ -143,9 +143,16 @@ def test_the_same_command_continues_a_study_cut_short(run_entry_point):
     errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
     assert (
-        "ran its trials with other direction (maximize; now minimize), optimized_metric (val/acc_best; now"
+        "ranks trials by direction=maximize (now minimize), optimized_metric=val/acc_best (now val/loss)"
         in errors[0]
     )
+
+    # another fixed setting (a resume of the trials' runs): named in a line, not refused (no
+    # trial left to run)
+    result = run_entry_point(
+        "train.py", "-m", "hparams_search=optuna", "hydra.sweeper.n_trials=3", *TINY_RUN, "ckpt_path=last"
+    )
+    assert "its trials so far ran with other ckpt_path" in result.stdout + result.stderr
 
 
 def test_a_study_whose_trials_log_no_optimized_metric_ends_at_the_first(run_entry_point):

@@ -193,27 +193,32 @@ class OptunaSweeper(Sweeper):
             self._write_results(study, sweep_dir)
 
     def _refuse_other_settings(self, study: Any, fixed: list[Override]) -> None:
-        """A study continued under other settings ranked the trials of both together (and
-        Optuna keeps the direction a study was created with, whatever it is given later): its
-        settings are stored with it, and a later command must give the same."""
+        """A study continued under another direction, objective or search space ranked the
+        trials of both together (and Optuna keeps the direction a study was created with,
+        whatever it is given later): refused, once a trial has completed. Other fixed settings
+        may change (ckpt_path=last, data.num_workers); those that did are named in a line."""
         settings = {
             "direction": self.direction,
             "optimized_metric": str(self.config.get("optimized_metric")),
-            "settings": " ".join(sorted(o.input_line for o in fixed)),
             "hydra.sweeper.params": " ".join(f"{key}={value}" for key, value in sorted(self.params.items())),
         }
+        given = {o.get_key_element(): o.get_value_element_as_str() for o in fixed}
+        completed = any(trial.state.name == "COMPLETE" for trial in study.trials)
         # a study of an earlier version holds no settings: its direction alone is known
         kept = {**study.user_attrs.get("settings", settings), "direction": study.direction.name.lower()}
-        if changed := [key for key, value in settings.items() if kept[key] != value]:
+        if completed and (changed := [key for key, value in settings.items() if kept[key] != value]):
             log.error(
-                f"error: study {self.study_name!r} ran its trials with other "
-                + ", ".join(
-                    f"{key} ({kept[key] or 'none'}; now {settings[key] or 'none'})" for key in changed
-                )
+                f"error: study {self.study_name!r} ranks trials by "
+                + ", ".join(f"{key}={kept[key]} (now {settings[key]})" for key in changed)
                 + ": continue it with the same, or start another with hydra.sweeper.study_name=<name>"
             )
             raise SystemExit(2)
+        before = study.user_attrs.get("fixed", given)
+        other = sorted(key for key in before.keys() | given.keys() if before.get(key) != given.get(key))
+        if completed and other:
+            log.info(f"Optuna study {self.study_name!r}: its trials so far ran with other {', '.join(other)}")
         study.set_user_attr("settings", settings)
+        study.set_user_attr("fixed", given)
 
     @contextmanager
     def _alone_in(self, sweep_dir: Path) -> Iterator[None]:
