@@ -180,11 +180,12 @@ def image_mixes(count: int):
 
 # The last value: model.net.grad_checkpointing, its recomputed blocks traced with the rest.
 CHECKPOINTING = ((False, ""), (True, "-grad-checkpointing"))
-# Strict: once torch traces it, the test says so and the README's note goes.
+# Not strict: measured with torch 2.11 only; a torch that traces it passes (XPASS), and the
+# README's note can go.
 FLEX_CHECKPOINTED = pytest.mark.xfail(
     reason="torch 2.11 on an H200 (2026-11-28): 6 graphs, FlexAttention inside torch's checkpoint "
     "under torch.compile (pytorch/pytorch#167116)",
-    strict=True,
+    strict=False,
 )
 COMPILE_ONCE = [
     pytest.param("cpu", "sdpa", torch.float32, checkpointed, id=f"cpu-sdpa{suffix}")
