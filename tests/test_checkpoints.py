@@ -637,9 +637,9 @@ def test_a_run_stopped_mid_epoch_resumes_exactly(run_entry_point, ranks, how, sa
 
 @pytest.mark.slow
 def test_a_run_stopped_after_a_step_and_before_its_batchs_end_resumes_exactly(run_entry_point):
-    """Ctrl-C or an error in the on_train_batch_end of an epoch's last step, no validation
-    due: the resume trained one step more (before, at any step: it logged every later step one
-    too low). In the validation after a step: the resume took that validation as run (none
+    """(Ctrl-C or an error in the on_train_batch_end of an epoch's last step, no validation
+    due, where the resume trained one step more: test_a_save_at_an_epochs_last_batch_...)
+    In the validation after a step: the resume took that validation as run (none
     logged, its best checkpoint never written, an older one tested), and under callbacks=ema
     carried on from the average as the trained weights. Killed in that validation, after a
     periodic save at its step: the resume from that save skipped it alike."""
@@ -667,7 +667,6 @@ def test_a_run_stopped_after_a_step_and_before_its_batchs_end_resumes_exactly(ru
         "callbacks.resume_checkpoint.train_time_interval=null",
     ]
     for name, where, settings, exit_code in (
-        ("after_epoch_0", [f"+callbacks.interrupt.step={steps // 2}"], [], 1),
         ("in_validation", in_validation, [], 1),
         (
             "killed_in_validation",

@@ -1,6 +1,8 @@
 """python train.py -m: a sweep with a refused job; hparams_search=optuna: a study of short
 trials, with 2-rank ddp trials, and continued after a crash."""
 
+import logging
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -134,26 +136,6 @@ def test_the_same_command_continues_a_study_cut_short(run_entry_point):
     trials = results(run_entry_point)["trials"]
     assert [t["number"] for t in trials] == [0, 1, 2, 3] and trials[3]["params"] != trials[2]["params"]
 
-    # Continued under other settings (another objective, a direction Optuna would not take):
-    # ranked with the trials before them
-    other = [*TINY_RUN, "optimized_metric=val/loss", "hydra.sweeper.direction=minimize"]
-    result = run_entry_point(
-        "train.py", "-m", "hparams_search=optuna", "hydra.sweeper.n_trials=4", *other, check=False
-    )
-    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error:" in line]
-    assert result.returncode == 2 and len(errors) == 1, result.stderr[-2000:]
-    assert (
-        "ranks trials by direction=maximize (now minimize), optimized_metric=val/acc_best (now val/loss)"
-        in errors[0]
-    )
-
-    # another fixed setting (a resume of the trials' runs): named in a line, not refused (no
-    # trial left to run)
-    result = run_entry_point(
-        "train.py", "-m", "hparams_search=optuna", "hydra.sweeper.n_trials=3", *TINY_RUN, "ckpt_path=last"
-    )
-    assert "its trials so far ran with other ckpt_path" in result.stdout + result.stderr
-
 
 def test_a_study_whose_trials_log_no_optimized_metric_ends_at_the_first(run_entry_point):
     """Every trial would end so, and a failed trial is replaced only when a crash cut it
@@ -197,6 +179,42 @@ def test_a_sweep_of_a_setting_beside_the_search_is_refused_with_one_line(run_ent
     assert (
         "error: hparams_search=optuna searches hydra.sweeper.params: give the other settings fixed" in output
     )
+
+
+def test_a_study_goes_on_under_its_ranking_and_names_other_settings(caplog):
+    """Continued with another objective (and a direction Optuna would not take), the trials of
+    both were ranked together: refused once a trial has completed. Another fixed setting (a
+    resume of the trials' runs) is named, not refused."""
+    import optuna
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from hydra_plugins.navit_optuna_sweeper.optuna_sweeper import OptunaSweeper
+
+    def sweeper(direction: str, metric: str) -> OptunaSweeper:
+        made = OptunaSweeper(
+            "shapes", None, direction, n_trials=1, n_jobs=1, seed=0, params={"seed": "range(0, 9)"}
+        )
+        made.config = OmegaConf.create({"optimized_metric": metric})
+        return made
+
+    def fixed(*overrides: str) -> list:
+        return OverridesParser.create().parse_overrides(list(overrides))
+
+    caplog.set_level(logging.INFO)
+    study = optuna.create_study(direction="maximize")
+    sweeper("maximize", "val/loss")._refuse_other_settings(study, fixed("data.rows=4"))  # none completed:
+    first = sweeper("maximize", "val/acc_best")  # a mistake mended
+    first._refuse_other_settings(study, fixed("data.rows=4"))
+    study.tell(study.ask(), 0.5)
+    with pytest.raises(SystemExit) as ended:
+        sweeper("minimize", "val/loss")._refuse_other_settings(study, fixed("data.rows=4"))
+    assert ended.value.code == 2
+    assert (
+        "ranks trials by direction=maximize (now minimize), optimized_metric=val/acc_best (now val/loss)"
+        in (caplog.text)
+    )
+    first._refuse_other_settings(study, fixed("data.rows=4", "ckpt_path=last"))
+    assert "its trials so far ran with other ckpt_path" in caplog.text
 
 
 @pytest.mark.parametrize(
