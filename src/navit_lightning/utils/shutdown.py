@@ -195,7 +195,7 @@ class StopTogetherOnSigterm(L.Callback):
         if batch_idx % trainer.accumulate_grad_batches:
             return  # the optimizer step under way has batches still to accumulate
         # before this batch's step, which ResumeCheckpoint's save counts back
-        self._stop_if_requested()
+        self._stop_if(self._requested())
 
     def on_train_batch_end(self, *args: Any) -> None:
         note_progress()
@@ -212,7 +212,7 @@ class StopTogetherOnSigterm(L.Callback):
         self.agreed_at_fit_end = self._requested()
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._stop_if_requested(self.agreed_at_fit_end)
+        self._stop_if(self.agreed_at_fit_end)
 
     def _requested(self) -> int:
         """The strongest request of any rank (a collective)."""
@@ -221,8 +221,7 @@ class StopTogetherOnSigterm(L.Callback):
             torch.distributed.all_reduce(request, op=torch.distributed.ReduceOp.MAX, group=self._group)
         return int(request.item())
 
-    def _stop_if_requested(self, request: int | None = None) -> None:
-        request = self._requested() if request is None else request
+    def _stop_if(self, request: int) -> None:
         if request == REQUEUE:
             raise RequeueRequested(128 + signal.SIGUSR1)
         if request == STOP:
