@@ -312,6 +312,36 @@ def test_a_resumed_early_stop_takes_the_commands_patience_and_older_checkpoints_
     assert trainer.should_stop is False
 
 
+@pytest.mark.parametrize(
+    ("threshold", "scores", "moved", "said"),
+    [
+        ("stopping_threshold", [0.5, 0.95], 0.99, "val/acc=0.95 had reached stopping_threshold=0.9"),
+        ("divergence_threshold", [0.5, 0.1], 0.05, "val/acc=0.1 had passed divergence_threshold=0.2"),
+        ("check_finite", [0.5, float("nan")], False, "val/acc was not finite"),
+    ],
+)
+def test_a_run_stopped_at_a_threshold_stays_stopped_until_the_threshold_moves(
+    threshold, scores, moved, said, caplog
+):
+    """Lightning's EarlyStopping kept no decision, and the best score is not the one a
+    threshold stopped at: resumed, such a run trained on to its end."""
+
+    class Trainer:
+        should_stop = False
+
+    given = {"stopping_threshold": 0.9, "divergence_threshold": 0.2, "check_finite": True}[threshold]
+    saved = StopEarly(monitor="val/acc", mode="max", patience=3, **{threshold: given})
+    assert [saved._evaluate_stopping_criteria(torch.tensor(score))[0] for score in scores] == [False, True]
+    for setting, stops in ((given, True), (moved, False)):
+        resumed = StopEarly(monitor="val/acc", mode="max", patience=3, **{threshold: setting})
+        resumed.load_state_dict(saved.state_dict())
+        trainer = Trainer()
+        with caplog.at_level(logging.INFO):
+            resumed.on_train_start(trainer, None)
+        assert trainer.should_stop is stops
+    assert f"{said} when this run stopped early: it stays stopped" in caplog.text
+
+
 @pytest.mark.parametrize("patience", [-1, 1.5, True])
 def test_a_patience_that_is_no_count_of_validations_is_refused(patience):
     with pytest.raises(ConfigError, match=f"patience={patience} must be a whole number, 0 or more"):

@@ -12,6 +12,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ThroughputMonitor, WeightAveraging
+from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -296,9 +297,10 @@ class UnreadableImageReport(L.Callback):
 class StopEarly(EarlyStopping):
     """Lightning's EarlyStopping, and a run it stopped stays stopped: resumed from its last
     checkpoint (the same command again, ckpt_path=last), it trained another epoch before it
-    stopped again. The callback's counts are in the checkpoint, its decision was not. The
-    patience is the command's (Lightning's restores the checkpoint's), so that a larger one
-    goes on."""
+    stopped again, or on to its end after a stop at a threshold. The callback's counts and
+    the reason it stopped are in the checkpoint, its decision was not. The patience and
+    thresholds are the command's (Lightning's restores the checkpoint's patience), so that a
+    larger patience, or a threshold moved or set to null, goes on."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -307,15 +309,21 @@ class StopEarly(EarlyStopping):
             raise ConfigError(
                 f"callbacks.early_stopping.patience={self.patience} must be a whole number, 0 or more"
             )
+        # the monitored value of the last check: a threshold's stop compared it, not the best
+        self.last_score: float | None = None
 
     @property
     def state_key(self) -> str:  # EarlyStopping's: checkpoints written with it keep their counts
         return super().state_key.replace(type(self).__qualname__, EarlyStopping.__qualname__, 1)
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "last_score": self.last_score}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         patience = self.patience
         super().load_state_dict(state_dict)
         self.patience = patience
+        self.last_score = state_dict.get("last_score")  # checkpoints from before it: none
 
     def _run_early_stopping_check(self, trainer: L.Trainer) -> None:
         # A fit that trainer.max_steps ends inside its first epoch has not validated: the
@@ -324,10 +332,43 @@ class StopEarly(EarlyStopping):
         if self.monitor in trainer.callback_metrics:
             super()._run_early_stopping_check(trainer)
 
+    def _evaluate_stopping_criteria(self, current: torch.Tensor) -> tuple[bool, str | None]:
+        self.last_score = current.item()
+        return super()._evaluate_stopping_criteria(current)
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if 0 < self.wait_count >= self.patience:  # every rank loaded the same counts
+        stop = self._stop_that_holds()  # every rank loaded the same state
+        if stop is not None:
+            why, to_go_on = stop
             trainer.should_stop = True
-            rank_zero_info(
-                f"{self.monitor} had not improved for {self.wait_count} validations when this run "
-                "stopped early: it stays stopped (raise callbacks.early_stopping.patience to go on)"
+            rank_zero_info(f"{why} when this run stopped early: it stays stopped ({to_go_on} to go on)")
+
+    def _stop_that_holds(self) -> tuple[str, str] | None:
+        """Why the checkpoint's stop holds under this command's settings, and the change that
+        lets it go on; None if it does not hold."""
+        setting = "callbacks.early_stopping."
+        if 0 < self.wait_count >= self.patience:
+            return (
+                f"{self.monitor} had not improved for {self.wait_count} validations",
+                f"raise {setting}patience",
             )
+        thresholds = self.stopping_reason not in (
+            EarlyStoppingReason.NOT_STOPPED,
+            EarlyStoppingReason.PATIENCE_EXHAUSTED,
+        )
+        if not thresholds or self.last_score is None:  # a checkpoint from before last_score: goes on
+            return None
+        last = torch.tensor(self.last_score)
+        if self.check_finite and not torch.isfinite(last):
+            return f"{self.monitor} was not finite", f"set {setting}check_finite=false"
+        if self.stopping_threshold is not None and self.monitor_op(last, self.stopping_threshold):
+            return (
+                f"{self.monitor}={last.item():g} had reached stopping_threshold={self.stopping_threshold}",
+                f"move {setting}stopping_threshold past it, or set it to null,",
+            )
+        if self.divergence_threshold is not None and self.monitor_op(-last, -self.divergence_threshold):
+            return (
+                f"{self.monitor}={last.item():g} had passed divergence_threshold={self.divergence_threshold}",
+                f"move {setting}divergence_threshold, or set it to null,",
+            )
+        return None
