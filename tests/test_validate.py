@@ -719,6 +719,21 @@ def test_a_monitor_whose_mode_takes_the_worst_as_the_best_is_refused(monitor, mo
         check_monitors(callbacks, monitorable)
 
 
+@pytest.mark.parametrize(("monitor", "refused"), [("val/acc", True), ("train/acc", False)])
+def test_an_early_stop_on_validation_in_a_run_without_validation_is_refused(monitor, refused):
+    """It never checked, and the run trained to its end without a word."""
+    stop = {"_target_": "navit_lightning.utils.callbacks.StopEarly", "monitor": monitor, "mode": "max"}
+    callbacks = OmegaConf.create({"early_stopping": stop})
+    check_monitors(callbacks, {"val/acc", "train/acc"})
+    if not refused:  # checked at each training epoch's end
+        check_monitors(callbacks, {"val/acc", "train/acc"}, validates=False)
+        return
+    with pytest.raises(
+        ConfigError, match=re.escape(f"callbacks.early_stopping.monitor={monitor} is never checked")
+    ):
+        check_monitors(callbacks, {"val/acc", "train/acc"}, validates=False)
+
+
 @pytest.mark.slow
 def test_a_setting_refused_in_ddp_spawns_ranks_is_one_line_and_exit_code_2(run_entry_point):
     """Lightning checks val_check_interval in the ranks, which ddp_spawn's launching process

@@ -98,7 +98,8 @@ def build(
         logged = [
             part.monitorable_metrics() for part in (model, *callbacks) if hasattr(part, "monitorable_metrics")
         ]
-        check_monitors(cfg.get("callbacks"), set().union(*logged))
+        validates = cfg.trainer.get("limit_val_batches") != 0
+        check_monitors(cfg.get("callbacks"), set().union(*logged), validates)
     loggers = instantiate_loggers(cfg.get("logger"))
     # Without a checkpoint callback (callbacks=none) Lightning adds one of its own, into the
     # logger's folder, where ckpt_path=last does not look
@@ -230,7 +231,9 @@ def fit_and_test(
                 trainer.test(model, datamodule=datamodule, ckpt_path=tested)
             metrics.update({name: float(value) for name, value in trainer.callback_metrics.items()})
             if "test/acc" in metrics:  # trainer.limit_test_batches=0 tests nothing
-                rank_zero_info(accuracy_line("test", metrics, tested or "the last weights"))
+                averaged = any(isinstance(c, WeightAveraging) for c in trainer.callbacks)  # at the fit's end
+                weights = "the last weights' average" if averaged else "the last weights"
+                rank_zero_info(accuracy_line("test", metrics, tested or weights))
         if budgets and trainer.limit_val_batches == 0:  # its validation would log no accuracy
             rank_zero_warn("patch_budgets skipped: trainer.limit_val_batches=0 evaluates no val batch")
             budgets = []

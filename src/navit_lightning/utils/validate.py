@@ -16,6 +16,7 @@ from lightning.fabric.plugins.environments import (
     SLURMEnvironment,
     TorchElasticEnvironment,
 )
+from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
@@ -292,14 +293,24 @@ def check_fused_optimizer(cfg: DictConfig) -> None:
         )
 
 
-def check_monitors(callbacks: DictConfig | None, monitorable: set[str]) -> None:
+def check_monitors(callbacks: DictConfig | None, monitorable: set[str], validates: bool = True) -> None:
     """A callback that monitors a metric the model never logs fails after the first
     validation, an epoch into the run (Lightning's own check). One whose mode goes the wrong
     way for its metric (the configs' mode: max, kept when the monitor became val/loss) kept
-    the worst checkpoint, or stopped a run that was improving, without a word."""
+    the worst checkpoint, or stopped a run that was improving, without a word. An early stop
+    on a validation metric in a run that validates nothing never checked, silently."""
     for name, settings in (callbacks or {}).items():
         settings = settings or {}  # callbacks.<name>=null: switched off
         monitor = settings.get("monitor")
+        if (
+            not validates
+            and str(monitor).startswith("val/")
+            and issubclass(hydra.utils.get_class(settings["_target_"]), EarlyStopping)
+        ):
+            raise ConfigError(
+                f"callbacks.{name}.monitor={monitor} is never checked: trainer.limit_val_batches=0 "
+                "runs no validation (drop one of the two)"
+            )
         if monitor is not None and monitor not in monitorable:
             raise ConfigError(
                 f"callbacks.{name}.monitor={monitor} is not a metric the model logs: "
