@@ -170,6 +170,13 @@ def test_failed_trials_count_and_a_study_without_a_result_ends_with_one_line(tmp
         sweeper._write_results(study, tmp_path)
     assert ended.value.code == 1
     assert "error: none of the 2 trials of study 'shapes' completed" in caplog.text
+    study.tell(study.ask(), 0.5)  # one completes: the best, and the failures counted beside it
+    with caplog.at_level(logging.INFO):
+        sweeper._write_results(study, tmp_path)
+    assert (
+        "best 0.5000 with {}" in caplog.text
+        and "(2 of 3 trials failed: their errors are above)" in caplog.text
+    )
 
 
 def test_a_sweep_of_a_setting_beside_the_search_is_refused_with_one_line(run_entry_point):

@@ -249,7 +249,8 @@ class OptunaSweeper(Sweeper):
             study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
             study.set_user_attr(CUT_SHORT, [*study.user_attrs.get(CUT_SHORT, []), trial.number])
             log.warning(
-                f"trial {trial.number} was cut short by an earlier crash: it runs again as a new trial"
+                f"trial {trial.number} was cut short by an earlier crash: counted as failed, a new trial "
+                "(parameters drawn afresh) takes its place"
             )
 
     @staticmethod
@@ -290,6 +291,8 @@ class OptunaSweeper(Sweeper):
             ],
         }
         OmegaConf.save(OmegaConf.create(results), sweep_dir / "optimization_results.yaml")
+        failed = sum(trial.state.name == "FAIL" for trial in study.trials)
         log.info(
             f"best {study.best_value:.4f} with {study.best_params}: {sweep_dir / 'optimization_results.yaml'}"
+            + (f" ({failed} of {len(study.trials)} trials failed: their errors are above)" if failed else "")
         )
