@@ -241,6 +241,8 @@ def test_refused_roots_say_what_to_fix(tmp_path):
         return str(error.value)
 
     assert "does not exist: set data.root" in refused(tmp_path / "nowhere")
+    (tmp_path / "images.zip").write_bytes(b"PK")  # said not to exist
+    assert "is a file: unpack it, and set data.root to the folder" in refused(tmp_path / "images.zip")
     (tmp_path / "flat").mkdir()
     save(Image.new("RGB", (8, 8)), tmp_path / "flat" / "loose.png")
     assert "has no class sub-folders" in refused(tmp_path / "flat")
@@ -313,6 +315,17 @@ def test_classes_whose_every_image_is_held_out_and_images_in_no_class_are_named(
     assert held and any(named in str(warning.message) for warning in warned)
 
 
+def test_classes_that_an_evaluation_split_holds_no_image_of_are_named(tmp_path):
+    """val/acc, the best checkpoint it picks and the test's accuracy were over the other
+    classes alone; only the counts' line, of ten classes at most, showed it."""
+    for name in ("train/cat", "train/dog", "train/owl", "val/cat", "test/cat", "test/dog", "test/owl"):
+        save(Image.new("RGB", (8, 8)), tmp_path / name / "0.png")
+    with pytest.warns(UserWarning) as warned:
+        PackedImageDataModule(str(tmp_path), num_workers=0).setup("fit")
+    lines = [str(warning.message) for warning in warned if "holds no image of" in str(warning.message)]
+    assert lines == ["the val split holds no image of dog, owl: val/acc says nothing of them"]
+
+
 def test_a_val_class_that_train_has_not_is_refused(tmp_path):
     """Its images were left out of val without a word."""
     for split, names in (("train", ("cat", "dog")), ("val", ("cat", "dog", "bird"))):
@@ -372,6 +385,40 @@ def test_split_folders_are_found_by_their_names_in_any_case_and_a_class_may_be_c
     save(Image.new("RGB", (8, 8)), tmp_path / "export" / "val" / "cat" / "0.png")
     with pytest.raises(DataError, match=r"has 2 val folders \(val, valid\): keep one"):
         PackedImageDataModule(str(tmp_path / "export")).class_names()
+
+
+@pytest.mark.parametrize(
+    ("files", "refusal"),
+    [
+        (  # Dogs vs Cats: the labels in the names, an unlabelled test/
+            ["train/cat.0.png", "train/dog.0.png", "test/0.png"],
+            "test/, train/ hold images, not class folders: put the training images in",
+        ),
+        (
+            ["cat/train/0.png", "cat/val/1.png", "dog/train/0.png", "dog/val/1.png"],
+            "its class folders hold train/, val/: put the splits above the classes",
+        ),
+    ],
+    ids=["splits-of-images", "splits-in-classes"],
+)
+def test_split_folders_where_the_classes_were_looked_for_are_refused(tmp_path, files, refusal):
+    """Trained as they were: a model of the split names (its test accuracy 0 on val images
+    of "train"), or a class's own val/ images trained on, val drawn from its train/."""
+    for name in files:
+        save(Image.new("RGB", (8, 8)), tmp_path / name)
+    with pytest.raises(DataError, match=re.escape(f"image folder {tmp_path}: {refusal}")):
+        PackedImageDataModule(str(tmp_path), num_workers=0).class_names()
+
+
+def test_an_index_folder_inside_the_image_folder_is_refused(tmp_path):
+    """The manifest written there became a class folder without images: the run refused
+    itself, and so did every later one."""
+    for name in ("cat", "dog"):
+        save(Image.new("RGB", (8, 8)), tmp_path / name / "0.png")
+    with pytest.raises(
+        DataError, match=r"index folder .*/index is inside the image folder .*: put data.index_dir"
+    ):
+        PackedImageDataModule(str(tmp_path), index_dir=str(tmp_path / "index"), num_workers=0).setup("fit")
 
 
 def test_a_class_of_only_unreadable_files_is_refused_at_setup(tmp_path):
@@ -449,11 +496,17 @@ def test_a_refused_root_exits_with_one_line(run_entry_point, tmp_path):
 def test_hidden_folders_beside_the_classes_are_no_classes(tmp_path):
     """Jupyter leaves .ipynb_checkpoints/ in every folder it opens, and a file manager its
     .thumbnails/ of images: taken for classes, they had the root refused (a class folder
-    without images) or trained a class of thumbnails, shifting every label."""
-    for name in ("cat/0.png", "dog/0.png", ".thumbnails/0.png"):
+    without images) or trained a class of thumbnails, shifting every label. A Synology NAS
+    keeps @eaDir/ beside the images, thumbnails of each: they were trained on, the data
+    doubled, an image in val while its thumbnail trained."""
+    for name in ("cat/0.png", "dog/0.png", ".thumbnails/0.png", "cat/@eaDir/0.png/SYNOPHOTO_THUMB_S.jpg"):
         save(Image.new("RGB", (8, 8)), tmp_path / name)
     (tmp_path / ".ipynb_checkpoints").mkdir()
-    assert PackedImageDataModule(str(tmp_path)).class_names() == ["cat", "dog"]
+    (tmp_path / "@eaDir").mkdir()
+    datamodule = PackedImageDataModule(str(tmp_path), num_workers=0)
+    assert datamodule.class_names() == ["cat", "dog"]
+    datamodule.setup("fit")
+    assert len(datamodule.datasets["train"]) + len(datamodule.datasets["val"]) == 2
 
 
 def test_unreadable_images_are_warned_once_per_counted_epoch_at_its_number_and_never_from_the_sanity_check(

@@ -30,6 +30,7 @@ from navit_lightning.data.folder import (
     left_out,
     paths_layout,
     split_images,
+    unevaluated_classes,
     warn_unreadable,
 )
 from navit_lightning.data.index import Manifest, index_folder, manifest_path
@@ -313,6 +314,9 @@ class PackedImageDataModule(L.LightningDataModule):
         for name, images in splits.items():
             if not len(images.labels):
                 raise DataError(f"no readable images for the {name} split under {self.root}")
+        if not self.evaluate_all:
+            for line in unevaluated_classes(splits, classes):
+                rank_zero_warn(line)
         rank_zero_info(classes_line(self.root, classes, splits))
         self.datasets = {
             name: ImageFolder(images, self.patch_size, hflip=self.hflip if name == "train" else 0.0)

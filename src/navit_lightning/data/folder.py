@@ -24,6 +24,7 @@ from navit_lightning.data.index import (
     Manifest,
     StringTable,
     image_entries,
+    is_hidden,
     read_sizes,
 )
 from navit_lightning.data.packing import ImageSample
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 
 def folder_names(root: Path) -> list[str]:
     """root's sub-folders, sorted, hidden ones left out (a macOS zip's __MACOSX/ is not)."""
-    return sorted(path.name for path in root.iterdir() if path.is_dir() and not path.name.startswith("."))
+    return sorted(path.name for path in root.iterdir() if path.is_dir() and not is_hidden(path.name))
 
 
 def find_classes(root: Path) -> list[str]:
@@ -186,8 +187,11 @@ def split_layout(
                 f"image folder {root} has {len(names)} {split} folders ({', '.join(sorted(names))}): keep one"
             )
     layout = {split: names[0] for split, names in found.items() if names}
-    if not layout or "train" in layout:
-        return layout or {"train": ""}
+    if not layout:
+        check_no_splits_as_classes(root, list(folders), subfolders)
+        return {"train": ""}
+    if "train" in layout:
+        return layout
     classes = [name for name in folders if name not in layout.values() and has_images(name)]
     beside = any(nested[name] & set(classes) for name in layout.values())  # test/cat/ beside cat/
     if classes and not beside:
@@ -201,8 +205,31 @@ def split_layout(
     return layout
 
 
+def check_no_splits_as_classes(root: Path, classes: list[str], subfolders: Callable[[str], set[str]]) -> None:
+    """Refuse splits where classes were looked for: train/ and test/ that hold images (a
+    layout whose labels are in the file names) were trained as two classes, and a class's own
+    train/ and val/ were pooled, the user's held-out images trained on."""
+    splits = {name for names in SPLIT_NAMES.values() for name in names}
+    if len(classes) > 1 and all(name.lower() in splits for name in classes):
+        raise DataError(
+            f"image folder {root}: {', '.join(f'{name}/' for name in classes)} hold images, not class "
+            f"folders: put the training images in {root}/train/<class>/, a folder per class"
+        )
+    inner = [subfolders(name) for name in classes]
+    if inner and all(names and all(name.lower() in splits for name in names) for names in inner):
+        found = ", ".join(f"{name}/" for name in sorted(set().union(*inner)))
+        raise DataError(
+            f"image folder {root}: its class folders hold {found}: put the splits above the "
+            f"classes, {root}/train/<class>/ and {root}/val/<class>/"
+        )
+
+
 def folder_layout(root: Path, need_train: bool = True) -> dict[str, str]:
     """split_layout of a folder on disk."""
+    if root.is_file():  # an archive of the images, most often
+        raise DataError(
+            f"image folder {root} is a file: unpack it, and set data.root to the folder of class sub-folders"
+        )
     if not root.is_dir():
         raise DataError(f"image folder {root} does not exist: set data.root to a folder of class sub-folders")
 
@@ -282,6 +309,20 @@ def left_out(
         unused = sorted(tops - {*splits_in})  # folders, and images beside the split folders
         if unused:
             lines.append(f"{root}: left out {', '.join(unused)} (the splits are {', '.join(splits_in)})")
+    return lines
+
+
+def unevaluated_classes(splits: dict[str, Images], classes: list[str]) -> list[str]:
+    """A line for each evaluation split that holds no image of some classes trained on: its
+    accuracy, and the best checkpoint that val/acc picks, say nothing of them."""
+    lines = []
+    for name in ("val", "test"):
+        if "train" not in splits or name not in splits or splits[name] is splits["train"]:
+            continue
+        unseen = [classes[label] for label in np.setdiff1d(splits["train"].labels, splits[name].labels)]
+        if unseen:
+            shown = ", ".join(unseen[:5]) + (f" and {len(unseen) - 5} more" if len(unseen) > 5 else "")
+            lines.append(f"the {name} split holds no image of {shown}: {name}/acc says nothing of them")
     return lines
 
 

@@ -178,6 +178,12 @@ class Manifest:
             return None
 
 
+def is_hidden(name: str) -> bool:
+    """A file or folder no class holds: hidden ones, and a Synology NAS's @eaDir (its
+    thumbnails of every image, beside them)."""
+    return name.startswith(".") or name == "@eaDir"
+
+
 def image_entries(root: Path, others: Counter[str] | None = None) -> Iterator[tuple[str, os.DirEntry]]:
     """Every image file under root, as (its path relative to root, its directory entry), in
     no set order: what the manifest, the check of class folders and predict.py take for the
@@ -197,7 +203,7 @@ def image_entries(root: Path, others: Counter[str] | None = None) -> Iterator[tu
             continue
         with listing as entries:
             for entry in entries:
-                if entry.name.startswith("."):
+                if is_hidden(entry.name):
                     continue
                 if entry.is_dir():
                     if (folder_id := _folder_id(entry)) not in above:
@@ -257,6 +263,11 @@ def manifest_path(root: Path, index_dir: str | Path | None = None) -> Path:
     """In the folder, or in `index_dir` under a name unique to the folder."""
     if index_dir is None:
         return root / MANIFEST_NAME
+    if Path(index_dir).resolve().is_relative_to(root.resolve()):  # it would be a class folder
+        raise DataError(
+            f"index folder {index_dir} is inside the image folder {root}: put data.index_dir "
+            "(or --index-dir) outside it"
+        )
     digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
     return Path(index_dir) / f"{root.resolve().name}-{digest}.npz"
 
