@@ -425,6 +425,20 @@ def test_the_writer_leaves_no_batch_numbers_piling_up(tmp_path):
     )
 
 
+def test_a_folder_where_the_predictions_go_is_one_line_and_leaves_no_partial_file(tmp_path):
+    """The rename into place raised outside the check of the writes: a traceback."""
+    writer = PredictionWriter(tmp_path / "predictions.csv", [Path("a.png")], ["x", "y"], 1)
+    (tmp_path / "predictions.csv").mkdir()
+    trainer = fake_trainer()
+    writer.on_predict_start(trainer, None)
+    writer.write_on_batch_end(trainer, None, (torch.tensor([0]), torch.tensor([[0.9, 0.1]])), None, None, 0)
+    with pytest.raises(
+        OutputError, match=rf"^{re.escape(str(tmp_path / 'predictions.csv'))} cannot be written"
+    ):
+        writer.on_predict_end(trainer, None)
+    assert [path.name for path in tmp_path.iterdir()] == ["predictions.csv"]
+
+
 class FullDisk(io.StringIO):
     """A part file on a full disk: its buffered rows fail to be written, at a row or at close."""
 

@@ -173,10 +173,11 @@ class PredictionWriter(BasePredictionWriter):
         # whole or not there
         partial = self.path.with_name(f".{self.path.name}.partial")
         try:
-            with written(self.path), open(partial, "w", **CSV_TEXT) as file:
-                csv.writer(file).writerow(self.header())
-                file.writelines(line for _, line in rows)
-            os.replace(partial, self.path)
+            with written(self.path):
+                with open(partial, "w", **CSV_TEXT) as file:
+                    csv.writer(file).writerow(self.header())
+                    file.writelines(line for _, line in rows)
+                os.replace(partial, self.path)  # a folder in its place
         finally:
             partial.unlink(missing_ok=True)
         said = f"{self.path}: {len(rows)} image(s) predicted"
