@@ -80,6 +80,7 @@ def config(*overrides: str):
         (0, ["patch_budgets=[16,0]"], "must be a list of positive patch counts, e.g. patch_budgets="),
         (0, ["patch_budgets=36"], "must be a list of positive patch counts"),
         (0, ["patch_budgets=[true]"], "must be a list of positive patch counts"),  # taken as 1
+        (0, ["patch_budgets=[9,16,9]"], "16, 9] repeats 9: give each budget once"),
         (0, ["model.lr_scaling=square"], "model.lr_scaling='square' is unknown: use one of"),
         (
             0,
@@ -93,6 +94,7 @@ def config(*overrides: str):
         ),
         (0, ["model.net.channels=1"], "model.net.channels=1: the data module gives RGB patches"),
         (0, ["trainer.precision=16-true"], "16-true trains float16 weights without loss scaling"),
+        (0, ["trainer.precision=transformer-engine"], "transformer-engine needs a CUDA GPU: on CPU use"),
         (0, ["~scheduler"], "~scheduler removed the config model.scheduler follows"),
         (0, ["data=imagefolder"], "data.root must be set: add data.root=/path/to/images to the command"),
         (0, ["data=shards"], "data.root must be set: add data.root=/path/to/images to the command"),
@@ -261,6 +263,7 @@ def counted(function, calls: list):
         (0, ["scheduler.warmup_steps=0", "scheduler.min_lr_ratio=0"]),
         # a model config of one's own without it: NaViT's default (a ConfigAttributeError)
         (0, ["~model.net.attention"]),
+        (0, ["~strategy"]),  # Lightning's default, auto: it was a traceback
     ],
 )
 def test_allowed(monkeypatch, gpus, overrides):

@@ -33,8 +33,9 @@ from navit_lightning.utils.launch import in_sweep, srun_tasks
 from navit_lightning.utils.schedules import check_lr_scaling
 
 GPU_ACCELERATORS = {"gpu", "cuda"}
-# Lightning turns 16-mixed into bf16-mixed on CPU with only a warning.
-GPU_ONLY_PRECISIONS = {"16-mixed", "16"}
+# Lightning turns 16-mixed into bf16-mixed on CPU with only a warning; Transformer Engine's
+# failed in the Trainer's constructor, advising to install a CUDA-only package.
+GPU_ONLY_PRECISIONS = {"16-mixed", "16", "transformer-engine", "transformer-engine-float16"}
 HALF_PRECISIONS = {"bf16-mixed", "16-mixed", "bf16-true", "16-true", "bf16", "16"}
 # Lightning reads the bare "bf16" and "16" as their -mixed forms.
 MIXED_PRECISIONS = {"bf16-mixed", "16-mixed", "bf16", "16"}
@@ -76,6 +77,9 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
     if training:
         check_seed(cfg.get("seed"))
     trainer = cfg.trainer
+    if "strategy" not in trainer:  # ~strategy: Lightning's default
+        with open_dict(trainer):
+            trainer.strategy = "auto"
     check_strategy_name(trainer.strategy)
     gpus = torch.cuda.device_count()
     accelerator = str(trainer.accelerator)
@@ -339,6 +343,11 @@ def check_patch_budgets(budgets: object) -> None:
         raise ConfigError(
             f"patch_budgets={budgets} must be a list of positive patch counts, "
             "e.g. patch_budgets=[9,16,36,64]"
+        )
+    repeated = sorted({budget for budget in budgets if list(budgets).count(budget) > 1})
+    if repeated:  # each evaluated twice: two rows of the csv, two points at one step
+        raise ConfigError(
+            f"patch_budgets={budgets} repeats {', '.join(map(str, repeated))}: give each budget once"
         )
 
 
