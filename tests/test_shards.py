@@ -186,6 +186,18 @@ def test_shards_are_numbered_in_turn_and_their_images_typed_in_lower_case(tmp_pa
         with tarfile.open(tmp_path / "shards" / shard) as tar:
             types += [name.split(".", 1)[1] for name in tar.getnames()]
     assert sorted(set(types)) == ["cls", "jpg", "json", "png"]
+    # written again, of fewer images: the earlier set's other shards were left beside them
+    shutil.rmtree(tmp_path / "images" / "dog")
+    (tmp_path / "images" / "bird").mkdir()
+    Image.new("RGB", (8, 8)).save(tmp_path / "images" / "bird" / "0.png")
+    write_shards(tmp_path / "images", tmp_path / "shards", samples_per_shard=3)
+    assert sorted(path.name for path in (tmp_path / "shards").iterdir()) == [
+        ".navit_manifest.npz",
+        "classes.json",
+        "train-000000.tar",
+        "train-000001.tar",
+        "train.wids.json",
+    ]
 
 
 def test_shards_of_a_folder_with_a_class_named_train_hold_its_classes(tmp_path):

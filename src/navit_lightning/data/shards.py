@@ -114,6 +114,10 @@ def write_shards(
     )
     sharded.save(out / MANIFEST_NAME)
     (out / CLASSES_NAME).write_text(json.dumps(classes))
+    written = {*shard_names, *(f"{split}.wids.json" for split in layout), MANIFEST_NAME, CLASSES_NAME}
+    for name in present:  # an earlier set's: other tools read its wids indexes, its old labels
+        if SHARD_SET_FILE.fullmatch(name) and name not in written:
+            (out / name).unlink()
     for line in left_out(manifest, folder, layout, loose):
         log.warning(line)
     log.info("wrote %d images into %d shards in %s", len(rows), len(shard_names), out)
