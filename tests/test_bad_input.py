@@ -394,12 +394,16 @@ def test_split_folders_are_found_by_their_names_in_any_case_and_a_class_may_be_c
             ["train/cat.0.png", "train/dog.0.png", "test/0.png"],
             "test/, train/ hold images, not class folders: put the training images in",
         ),
+        (  # the classes' own folders beside it: val/ is a class
+            ["train/0.png", "val/cat/0.png", "val/dog/0.png"],
+            "train/, val/ hold images, not class folders: put the training images in",
+        ),
         (
             ["cat/train/0.png", "cat/val/1.png", "dog/train/0.png", "dog/val/1.png"],
             "its class folders hold train/, val/: put the splits above the classes",
         ),
     ],
-    ids=["splits-of-images", "splits-in-classes"],
+    ids=["splits-of-images", "splits-of-images-beside-classes", "splits-in-classes"],
 )
 def test_split_folders_where_the_classes_were_looked_for_are_refused(tmp_path, files, refusal):
     """Trained as they were: a model of the split names (its test accuracy 0 on val images
@@ -408,6 +412,13 @@ def test_split_folders_where_the_classes_were_looked_for_are_refused(tmp_path, f
         save(Image.new("RGB", (8, 8)), tmp_path / name)
     with pytest.raises(DataError, match=re.escape(f"image folder {tmp_path}: {refusal}")):
         PackedImageDataModule(str(tmp_path), num_workers=0).class_names()
+
+
+def test_class_folders_with_an_empty_split_named_folder_are_classes(tmp_path):
+    for name in ("cat/0.png", "dog/0.png"):
+        save(Image.new("RGB", (8, 8)), tmp_path / name)
+        (tmp_path / name).parent.joinpath("test").mkdir()
+    assert PackedImageDataModule(str(tmp_path), num_workers=0).class_names() == ["cat", "dog"]
 
 
 def test_an_index_folder_inside_the_image_folder_is_refused(tmp_path):
@@ -419,6 +430,8 @@ def test_an_index_folder_inside_the_image_folder_is_refused(tmp_path):
         DataError, match=r"index folder .*/index is inside the image folder .*: put data.index_dir"
     ):
         PackedImageDataModule(str(tmp_path), index_dir=str(tmp_path / "index"), num_workers=0).setup("fit")
+    # a hidden one is no class folder
+    PackedImageDataModule(str(tmp_path), index_dir=str(tmp_path / ".index"), num_workers=0).setup("fit")
 
 
 def test_a_class_of_only_unreadable_files_is_refused_at_setup(tmp_path):

@@ -337,6 +337,26 @@ def test_a_run_stopped_at_a_threshold_stays_stopped_until_the_threshold_moves(
     assert f"{said} when this run stopped early: it stays stopped" in caplog.text
 
 
+def test_a_stop_at_a_threshold_that_a_resume_went_past_holds_no_more():
+    """Lightning keeps the reason of a stop after the run went on: resumed past a divergence
+    and ended at max_epochs, the run stayed stopped at a later resume under a new threshold."""
+
+    class Trainer:
+        should_stop = False
+
+    saved = StopEarly(monitor="val/loss", mode="min", divergence_threshold=5.0)
+    assert [saved._evaluate_stopping_criteria(torch.tensor(loss))[0] for loss in (1.0, 6.0)] == [False, True]
+    resumed = StopEarly(monitor="val/loss", mode="min")  # divergence_threshold=null goes on
+    resumed.load_state_dict(saved.state_dict())
+    resumed.on_train_start(Trainer(), None)
+    assert resumed._evaluate_stopping_criteria(torch.tensor(0.5))[0] is False  # then max_epochs ended it
+    later = StopEarly(monitor="val/loss", mode="min", stopping_threshold=0.6)
+    later.load_state_dict(resumed.state_dict())
+    trainer = Trainer()
+    later.on_train_start(trainer, None)
+    assert trainer.should_stop is False
+
+
 @pytest.mark.parametrize("patience", [-1, 1.5, True])
 def test_a_patience_that_is_no_count_of_validations_is_refused(patience):
     with pytest.raises(ConfigError, match=f"patience={patience} must be a whole number, 0 or more"):

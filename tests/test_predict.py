@@ -433,7 +433,7 @@ def test_a_folder_where_the_predictions_go_is_one_line_and_leaves_no_partial_fil
     writer.on_predict_start(trainer, None)
     writer.write_on_batch_end(trainer, None, (torch.tensor([0]), torch.tensor([[0.9, 0.1]])), None, None, 0)
     with pytest.raises(
-        OutputError, match=rf"^{re.escape(str(tmp_path / 'predictions.csv'))} cannot be written"
+        OutputError, match=rf"^{re.escape(str(tmp_path / 'predictions.csv'))} is a folder: move it"
     ):
         writer.on_predict_end(trainer, None)
     assert [path.name for path in tmp_path.iterdir()] == ["predictions.csv"]

@@ -193,7 +193,8 @@ def test_readme_command_runs_as_written(command, readme_root, tmp_path):
     else:
         assert result.returncode == 0, f"{line}\n{output[-4000:]}"
     words = command.split()
-    if "trainer.devices=2" in words and "-m" not in words:  # the suite's only 2-rank run of the
+    two_ranks = "trainer.devices=2" in words and {"strategy=ddp", "strategy=ddp_spawn"} & set(words)
+    if two_ranks and "-m" not in words:  # the suite's only 2-rank run of the
         # default callbacks with ddp and ddp_spawn: every rank enters every collective in the
         # same order, a whole epoch with validation and the test; spawned ranks log as rank 0's
         # job, once

@@ -175,7 +175,7 @@ def test_failed_trials_count_and_a_study_without_a_result_ends_with_one_line(tmp
         sweeper._write_results(study, tmp_path)
     assert (
         "best 0.5000 with {}" in caplog.text
-        and "(2 of 3 trials failed: their errors are above)" in caplog.text
+        and "(2 of 3 trials failed or were cut short: see their folders' train.log)" in caplog.text
     )
 
 

@@ -203,6 +203,8 @@ def written(path: Path) -> Iterator[None]:
     three chained tracebacks)."""
     try:
         yield
+    except IsADirectoryError:
+        raise OutputError(f"{path} is a folder: move it, or predict into another hydra.run.dir") from None
     except OSError as error:
         raise OutputError(
             f"{path} cannot be written ({error.strerror or error}; {free_space(path)}): free space "

@@ -292,7 +292,8 @@ class OptunaSweeper(Sweeper):
         }
         OmegaConf.save(OmegaConf.create(results), sweep_dir / "optimization_results.yaml")
         failed = sum(trial.state.name == "FAIL" for trial in study.trials)
+        why = "failed or were cut short: see their folders' train.log"
         log.info(
             f"best {study.best_value:.4f} with {study.best_params}: {sweep_dir / 'optimization_results.yaml'}"
-            + (f" ({failed} of {len(study.trials)} trials failed: their errors are above)" if failed else "")
+            + (f" ({failed} of {len(study.trials)} trials {why})" if failed else "")
         )

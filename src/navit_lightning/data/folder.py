@@ -188,13 +188,14 @@ def split_layout(
             )
     layout = {split: names[0] for split, names in found.items() if names}
     if not layout:
-        check_no_splits_as_classes(root, list(folders), subfolders)
+        check_no_splits_as_classes(root, list(folders), subfolders, has_images)
         return {"train": ""}
     if "train" in layout:
         return layout
     classes = [name for name in folders if name not in layout.values() and has_images(name)]
     beside = any(nested[name] & set(classes) for name in layout.values())  # test/cat/ beside cat/
     if classes and not beside:
+        check_no_splits_as_classes(root, list(folders), subfolders, has_images)
         return {"train": ""}
     if need_train or beside:
         stray = next(iter(layout.values()))
@@ -205,18 +206,24 @@ def split_layout(
     return layout
 
 
-def check_no_splits_as_classes(root: Path, classes: list[str], subfolders: Callable[[str], set[str]]) -> None:
+def check_no_splits_as_classes(
+    root: Path, classes: list[str], subfolders: Callable[[str], set[str]], has_images: Callable[[str], bool]
+) -> None:
     """Refuse splits where classes were looked for: train/ and test/ that hold images (a
     layout whose labels are in the file names) were trained as two classes, and a class's own
-    train/ and val/ were pooled, the user's held-out images trained on."""
+    train/ and val/ were pooled, the user's held-out images trained on. (`has_images` of a
+    path under root: a class's empty test/ is no split.)"""
     splits = {name for names in SPLIT_NAMES.values() for name in names}
     if len(classes) > 1 and all(name.lower() in splits for name in classes):
         raise DataError(
             f"image folder {root}: {', '.join(f'{name}/' for name in classes)} hold images, not class "
             f"folders: put the training images in {root}/train/<class>/, a folder per class"
         )
-    inner = [subfolders(name) for name in classes]
-    if inner and all(names and all(name.lower() in splits for name in names) for names in inner):
+    # each class's sub-folders that hold images
+    inner = [
+        {folder.lower() for folder in subfolders(name) if has_images(f"{name}/{folder}")} for name in classes
+    ]
+    if inner and all(names and names <= splits for names in inner):
         found = ", ".join(f"{name}/" for name in sorted(set().union(*inner)))
         raise DataError(
             f"image folder {root}: its class folders hold {found}: put the splits above the "

@@ -263,7 +263,11 @@ def manifest_path(root: Path, index_dir: str | Path | None = None) -> Path:
     """In the folder, or in `index_dir` under a name unique to the folder."""
     if index_dir is None:
         return root / MANIFEST_NAME
-    if Path(index_dir).resolve().is_relative_to(root.resolve()):  # it would be a class folder
+    index, folder = Path(index_dir).resolve(), root.resolve()
+    # inside the folder it would be a class folder; a hidden one is no class
+    if index == folder or (
+        index.is_relative_to(folder) and not is_hidden(index.relative_to(folder).parts[0])
+    ):
         raise DataError(
             f"index folder {index_dir} is inside the image folder {root}: put data.index_dir "
             "(or --index-dir) outside it"

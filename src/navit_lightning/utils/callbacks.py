@@ -333,6 +333,9 @@ class StopEarly(EarlyStopping):
             super()._run_early_stopping_check(trainer)
 
     def _evaluate_stopping_criteria(self, current: torch.Tensor) -> tuple[bool, str | None]:
+        # the reason of this check's stop, if any: Lightning kept an earlier stop's, and a run
+        # resumed past it, then ended at max_epochs, stayed stopped at its next resume
+        self.stopping_reason = EarlyStoppingReason.NOT_STOPPED
         self.last_score = current.item()
         return super()._evaluate_stopping_criteria(current)
 
@@ -341,7 +344,7 @@ class StopEarly(EarlyStopping):
         if stop is not None:
             why, to_go_on = stop
             trainer.should_stop = True
-            rank_zero_info(f"{why} when this run stopped early: it stays stopped ({to_go_on} to go on)")
+            rank_zero_info(f"{why} when this run stopped early: it stays stopped (to go on, {to_go_on})")
 
     def _stop_that_holds(self) -> tuple[str, str] | None:
         """Why the checkpoint's stop holds under this command's settings, and the change that
@@ -352,11 +355,11 @@ class StopEarly(EarlyStopping):
                 f"{self.monitor} had not improved for {self.wait_count} validations",
                 f"raise {setting}patience",
             )
-        thresholds = self.stopping_reason not in (
+        at_threshold = self.stopping_reason not in (
             EarlyStoppingReason.NOT_STOPPED,
             EarlyStoppingReason.PATIENCE_EXHAUSTED,
         )
-        if not thresholds or self.last_score is None:  # a checkpoint from before last_score: goes on
+        if not at_threshold or self.last_score is None:  # a checkpoint from before last_score: goes on
             return None
         last = torch.tensor(self.last_score)
         if self.check_finite and not torch.isfinite(last):
@@ -364,11 +367,11 @@ class StopEarly(EarlyStopping):
         if self.stopping_threshold is not None and self.monitor_op(last, self.stopping_threshold):
             return (
                 f"{self.monitor}={last.item():g} had reached stopping_threshold={self.stopping_threshold}",
-                f"move {setting}stopping_threshold past it, or set it to null,",
+                f"move {setting}stopping_threshold past it or set it to null",
             )
         if self.divergence_threshold is not None and self.monitor_op(-last, -self.divergence_threshold):
             return (
                 f"{self.monitor}={last.item():g} had passed divergence_threshold={self.divergence_threshold}",
-                f"move {setting}divergence_threshold, or set it to null,",
+                f"move {setting}divergence_threshold past it or set it to null",
             )
         return None

@@ -4,6 +4,7 @@ otherwise fail deep inside Lightning or torch (or silently do something else).""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -344,7 +345,7 @@ def check_patch_budgets(budgets: object) -> None:
             f"patch_budgets={budgets} must be a list of positive patch counts, "
             "e.g. patch_budgets=[9,16,36,64]"
         )
-    repeated = sorted({budget for budget in budgets if list(budgets).count(budget) > 1})
+    repeated = sorted(budget for budget, count in Counter(budgets).items() if count > 1)
     if repeated:  # each evaluated twice: two rows of the csv, two points at one step
         raise ConfigError(
             f"patch_budgets={budgets} repeats {', '.join(map(str, repeated))}: give each budget once"
