@@ -289,20 +289,16 @@ def test_early_stopping_stops_every_ddp_rank_after_the_same_epoch(run_entry_poin
 def test_a_resumed_early_stop_takes_the_commands_patience_and_older_checkpoints_counts():
     """Lightning's EarlyStopping restored the checkpoint's patience (a larger one did not go
     on), and patience=0 must not stop a run that has not validated."""
-
-    class Trainer:
-        should_stop = False
-
     saved = EarlyStopping(monitor="val/acc", mode="max", patience=3)  # a checkpoint from before StopEarly
     saved.wait_count = 3
     for patience, stops in ((3, True), (10, False)):
         resumed = StopEarly(monitor="val/acc", mode="max", patience=patience)
         checkpoint = {saved.state_key: saved.state_dict()}
         resumed.load_state_dict(checkpoint[resumed.state_key])
-        trainer = Trainer()
+        trainer = SimpleNamespace(should_stop=False)
         resumed.on_train_start(trainer, None)
         assert resumed.patience == patience and trainer.should_stop is stops
-    trainer = Trainer()
+    trainer = SimpleNamespace(should_stop=False)
     StopEarly(monitor="val/acc", mode="max", patience=0).on_train_start(trainer, None)
     assert trainer.should_stop is False
 
@@ -320,17 +316,13 @@ def test_a_run_stopped_at_a_threshold_stays_stopped_until_the_threshold_moves(
 ):
     """Lightning's EarlyStopping kept no decision, and the best score is not the one a
     threshold stopped at: resumed, such a run trained on to its end."""
-
-    class Trainer:
-        should_stop = False
-
     given = {"stopping_threshold": 0.9, "divergence_threshold": 0.2, "check_finite": True}[threshold]
     saved = StopEarly(monitor="val/acc", mode="max", patience=3, **{threshold: given})
     assert [saved._evaluate_stopping_criteria(torch.tensor(score))[0] for score in scores] == [False, True]
     for setting, stops in ((given, True), (moved, False)):
         resumed = StopEarly(monitor="val/acc", mode="max", patience=3, **{threshold: setting})
         resumed.load_state_dict(saved.state_dict())
-        trainer = Trainer()
+        trainer = SimpleNamespace(should_stop=False)
         with caplog.at_level(logging.INFO):
             resumed.on_train_start(trainer, None)
         assert trainer.should_stop is stops
@@ -340,19 +332,15 @@ def test_a_run_stopped_at_a_threshold_stays_stopped_until_the_threshold_moves(
 def test_a_stop_at_a_threshold_that_a_resume_went_past_holds_no_more():
     """Lightning keeps the reason of a stop after the run went on: resumed past a divergence
     and ended at max_epochs, the run stayed stopped at a later resume under a new threshold."""
-
-    class Trainer:
-        should_stop = False
-
     saved = StopEarly(monitor="val/loss", mode="min", divergence_threshold=5.0)
     assert [saved._evaluate_stopping_criteria(torch.tensor(loss))[0] for loss in (1.0, 6.0)] == [False, True]
     resumed = StopEarly(monitor="val/loss", mode="min")  # divergence_threshold=null goes on
     resumed.load_state_dict(saved.state_dict())
-    resumed.on_train_start(Trainer(), None)
+    resumed.on_train_start(SimpleNamespace(should_stop=False), None)
     assert resumed._evaluate_stopping_criteria(torch.tensor(0.5))[0] is False  # then max_epochs ended it
     later = StopEarly(monitor="val/loss", mode="min", stopping_threshold=0.6)
     later.load_state_dict(resumed.state_dict())
-    trainer = Trainer()
+    trainer = SimpleNamespace(should_stop=False)
     later.on_train_start(trainer, None)
     assert trainer.should_stop is False
 

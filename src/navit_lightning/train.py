@@ -200,11 +200,17 @@ def fit_and_test(
     ckpt_path = resume_from(cfg.get("ckpt_path"), trainer)
     if not cfg.train and ckpt_path is None:  # ckpt_path=last in a folder without one
         raise ConfigError(f"train=false tests ckpt_path={cfg.ckpt_path}, which names no checkpoint here")
+    averaged = any(isinstance(c, WeightAveraging) for c in trainer.callbacks)  # callbacks=ema
     if ckpt_path is not None:
         # train=false evaluates a callbacks=ema checkpoint's weights, its average, as eval.py does
-        averaging = not cfg.train or any(isinstance(c, WeightAveraging) for c in trainer.callbacks)
         checkpoint = check_resumable(
-            model, cfg.model, ckpt_path, averaging, datamodule.class_names(), fitting=cfg.train, seed=cfg.seed
+            model,
+            cfg.model,
+            ckpt_path,
+            not cfg.train or averaged,
+            datamodule.class_names(),
+            fitting=cfg.train,
+            seed=cfg.seed,
         )
         resume_epoch_ends_as_ended(trainer)
         for callback in trainer.checkpoint_callbacks:
@@ -231,7 +237,7 @@ def fit_and_test(
                 trainer.test(model, datamodule=datamodule, ckpt_path=tested)
             metrics.update({name: float(value) for name, value in trainer.callback_metrics.items()})
             if "test/acc" in metrics:  # trainer.limit_test_batches=0 tests nothing
-                averaged = any(isinstance(c, WeightAveraging) for c in trainer.callbacks)  # at the fit's end
+                # the average, copied into the model at the fit's end
                 weights = "the last weights' average" if averaged else "the last weights"
                 rank_zero_info(accuracy_line("test", metrics, tested or weights))
         if budgets and trainer.limit_val_batches == 0:  # its validation would log no accuracy

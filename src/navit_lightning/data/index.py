@@ -272,8 +272,8 @@ def manifest_path(root: Path, index_dir: str | Path | None = None) -> Path:
             f"index folder {index_dir} is inside the image folder {root}: put data.index_dir "
             "(or --index-dir) outside it"
         )
-    digest = hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:12]
-    return Path(index_dir) / f"{root.resolve().name}-{digest}.npz"
+    digest = hashlib.sha256(str(folder).encode()).hexdigest()[:12]
+    return Path(index_dir) / f"{folder.name}-{digest}.npz"
 
 
 def _unchanged(
