@@ -134,6 +134,9 @@ def config(*overrides: str):
         (0, ["seed=-1"], "seed=-1 must be a whole number from 0 to 4294967295"),
         (0, ["seed=4294967296"], "seed=4294967296 must be a whole number"),
         (0, ["seed=1.5"], "seed=1.5 must be a whole number"),
+        # tracebacks about the first setting read (the strategy group still writes trainer.strategy)
+        (0, ["~trainer"], "~trainer removed a config every run needs: choose trainer=default"),
+        (0, ["~model"], "~model removed a config every run needs: choose model=<one of navit_base, "),
     ],
 )
 def test_refused(monkeypatch, gpus, overrides, message):
@@ -157,6 +160,7 @@ def test_refused(monkeypatch, gpus, overrides, message):
             ["ckpt_path=run.ckpt", "split=val", "trainer.limit_val_batches=0"],
             "trainer.limit_val_batches=0 evaluates no batch",
         ),
+        ("predict", ["ckpt_path=run.ckpt", "input=.", "~paths"], "~paths removed a config every run needs"),
     ],
 )
 def test_eval_and_predict_refuse_what_they_miss(task, overrides, message):

@@ -14,3 +14,8 @@ def default_project_root() -> None:
     however the command was started (python train.py, a symlink to it, python -m), unless
     PROJECT_ROOT says where (configs/paths)."""
     os.environ.setdefault("PROJECT_ROOT", str(Path(CONFIG_DIR).parent))
+
+
+def config_options(group: str) -> list[str]:
+    """The options of a config group (strategy -> auto, ddp, ...), as a command chooses them."""
+    return sorted(path.stem for path in Path(CONFIG_DIR, group).glob("*.yaml"))

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 from torch.multiprocessing.spawn import ProcessRaisedException
 
-from navit_lightning import CONFIG_DIR, default_project_root
+from navit_lightning import CONFIG_DIR, config_options, default_project_root
 from navit_lightning.errors import ConfigError, DataError, OutputError
 from navit_lightning.utils.checkpoints import LIGHTNING_CKPT_NAMES
 from navit_lightning.utils.instantiate import absolute_path
@@ -81,7 +81,7 @@ def refuse_null_groups(arguments: list[str]) -> None:
         group = group.lstrip("+")  # +logger=null: the same traceback
         if value != "null" or "/" in group:  # Hydra's own groups (hydra/launcher): options elsewhere
             continue
-        options = sorted(path.stem for path in Path(CONFIG_DIR, group).glob("*.yaml"))
+        options = config_options(group)
         if options:
             print(
                 f"error: {argument}: Hydra cannot set a config group to null; ~{group} removes it, "

@@ -7,7 +7,6 @@ import os
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 
 import hydra
 import torch
@@ -22,7 +21,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
-from navit_lightning import CONFIG_DIR
+from navit_lightning import config_options
 from navit_lightning.errors import ConfigError, is_count, is_whole, require_counts
 from navit_lightning.utils.checkpoints import (
     CKPT_PATH_EXAMPLE,
@@ -45,13 +44,14 @@ DP_TARGET = "navit_lightning.strategies.PackedDataParallelStrategy"
 HYDRA_DDP_TARGET = "navit_lightning.strategies.HydraDDPStrategy"
 # Lightning's callbacks that log, and end a fit without a logger in a traceback
 CALLBACKS_NEEDING_A_LOGGER = (".LearningRateMonitor", ".DeviceStatsMonitor")
-STRATEGY_OPTIONS = sorted(path.stem for path in (Path(CONFIG_DIR) / "strategy").glob("*.yaml"))
 # What the configs leave as ??? for the command line to fill in, with an example value.
 REQUIRED_EXAMPLES = {
     "data.root": "/path/to/images",
     "ckpt_path": CKPT_PATH_EXAMPLE,
     "input": "<an image file or a folder of images>",
 }
+# A setting every option of a config group writes, and only that group
+GROUP_MARKS = {"trainer": "_target_", "model": "_target_", "data": "_target_", "paths": "output_dir"}
 # The largest seed numpy's generators take (Lightning's seed_everything checks the same).
 MAX_SEED = 2**32 - 1
 # The launchers Lightning detects and takes the nodes' meeting point from (its cluster
@@ -68,6 +68,7 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
     """training=False (eval.py, predict.py): the model, and so its attention backend, comes from the
     checkpoint, which they read once after this (check_run_attention). strategy=auto given
     several devices becomes strategy=ddp's strategy."""
+    check_groups_kept(cfg, ("trainer", "paths", "model", "data") if training else ("trainer", "paths"))
     check_required(cfg)
     for group, fix in (
         ("optimizer", "choose one: optimizer=adamw"),
@@ -205,6 +206,17 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
             )
         if cfg.get("init_from") is not None:
             read_checkpoint(cfg.init_from, key="init_from")
+
+
+def check_groups_kept(cfg: DictConfig, groups: Sequence[str]) -> None:
+    """`~trainer` or `~paths` ended in a traceback about the first setting read from it. A
+    removed group is told by a setting each of its options writes: the strategy group still
+    writes trainer.strategy into a removed trainer."""
+    for group in groups:
+        if GROUP_MARKS[group] not in cfg.get(group, {}):
+            options = config_options(group)
+            choice = options[0] if len(options) == 1 else f"<one of {', '.join(options)}>"
+            raise ConfigError(f"~{group} removed a config every run needs: choose {group}={choice}")
 
 
 def check_required(cfg: DictConfig) -> None:
@@ -396,7 +408,7 @@ def check_strategy_name(strategy: object) -> None:
     strategies (dp, and ddp fixed for Hydra multirun) come from the strategy config group."""
     if not isinstance(strategy, str) or strategy in StrategyRegistry or strategy == "auto":
         return
-    options = ", ".join(STRATEGY_OPTIONS)
+    options = ", ".join(config_options("strategy"))
     raise ConfigError(f"trainer.strategy={strategy} is unknown: use strategy=<one of {options}>")
 
 
