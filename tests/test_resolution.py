@@ -268,8 +268,10 @@ def test_curves_of_several_runs_in_one_figure(tmp_path):
     (tmp_path / "unfinished.csv").write_text(rows.replace("0.98", "n/a"))
     with pytest.raises(SystemExit):  # a ValueError traceback
         main([str(tmp_path / "unfinished.csv"), "--out", str(tmp_path / "x.png")])
-    main([str(swept), "--out", str(tmp_path / "new" / "folder" / "one.png")])  # made, not a traceback
-    assert (tmp_path / "new" / "folder" / "one.png").is_file()
+    with pytest.raises(SystemExit):  # matplotlib's traceback after the csv files were read
+        main([str(swept), "--out", str(tmp_path / "x.xyz")])
+    main([str(swept), "--out", str(tmp_path / "new" / "folder" / "one.PDF")])  # made, not a traceback
+    assert (tmp_path / "new" / "folder" / "one.PDF").read_bytes().startswith(b"%PDF")
 
 
 class OneLoaderValidation(NaViTClassifier):

@@ -17,6 +17,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from matplotlib.backend_bases import FigureCanvasBase
 from matplotlib.figure import Figure
 from matplotlib.ticker import ScalarFormatter
 
@@ -271,6 +272,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("curves", nargs="+", metavar="[LABEL=]CSV")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    kind = args.out.suffix.lstrip(".").lower()
+    if kind and kind not in kinds:  # no suffix: matplotlib writes a png
+        endings = ", .".join(kinds)
+        parser.error(f"--out {args.out}: matplotlib writes no .{kind} file; end it in one of .{endings}")
     curves = {}
     for curve in args.curves:
         label, path = label_and_path(curve)
