@@ -54,6 +54,10 @@ def test_a_flat_folder_is_split_by_seed_and_every_image_is_batched_once(project_
     # without test/, testing is on the val split, and training says so
     assert datamodule.datasets["test"] is datamodule.datasets["val"]
     assert f"no test/ folder under {tmp_path / 'images'}: the test split is the val split" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):  # eval.py split=val
+        PackedImageDataModule(str(tmp_path / "images"), patch_size=16, max_patches=64).setup("validate")
+    assert "classes" in caplog.text and "no test/ folder" not in caplog.text
     assert splits[0] == splits[1] and len(splits[0]) == round(192 * 0.1)
     train_paths = set(datamodule.datasets["train"].images.paths.tolist())
     assert train_paths.isdisjoint(splits[0]) and len(train_paths) == 192 - len(splits[0])
@@ -659,6 +663,7 @@ def fit_at_epoch(epoch: int) -> SimpleNamespace:
         world_size=1,
         global_rank=0,
         overfit_batches=0,
+        limit_train_batches=1.0,
         strategy=None,
         loggers=[],
         accumulate_grad_batches=1,
@@ -696,9 +701,13 @@ def test_each_prediction_reads_the_files_it_was_given(project_root):
         assert len(datamodule.datasets["predict"]) == len(paths)
 
 
-def test_the_effective_batch_is_logged_once_with_the_images_of_every_rank_and_accumulated_batch(project_root):
+@pytest.mark.parametrize("limit", [1.0, 2])
+def test_the_effective_batch_is_logged_once_with_the_images_of_every_rank_and_accumulated_batch(
+    project_root, limit, caplog
+):
     """Its images: the epoch's over its optimizer steps. Rank 0's batches times the ranks
-    counted the other ranks' filler batches (no image) as full ones (198 of a folder's 105)."""
+    counted the other ranks' filler batches (no image) as full ones (198 of a folder's 105).
+    Under trainer.limit_train_batches (overfit_batches sets it) it printed the whole plan."""
     datamodule = shapes_datamodule(project_root, num_workers=0)
     datamodule.setup("fit")
     logged = []
@@ -710,14 +719,20 @@ def test_the_effective_batch_is_logged_once_with_the_images_of_every_rank_and_ac
             global_rank=0,
             accumulate_grad_batches=3,
             overfit_batches=0,
+            limit_train_batches=limit,
             strategy=None,
             loggers=[logger],
             global_step=0,
         )
-        loader = datamodule.train_dataloader()
+        with caplog.at_level(logging.INFO):
+            loader = datamodule.train_dataloader()
         if not epoch:  # every training image, over the steps of 3 batches (the last one fewer)
-            images = len(datamodule.datasets["train"]) / -(-len(loader.batch_sampler) // 3)
+            planned = len(loader.batch_sampler)
+            batches = planned if limit == 1.0 else limit
+            images = len(datamodule.datasets["train"]) * batches / planned / -(-batches // 3)
     assert logged == [{"effective_batch/tokens": 2 * 3 * 4 * 64, "effective_batch/images": round(images, 1)}]
+    shown = "on" if limit == 1.0 else f"of the {planned} planned (limit_train_batches=2)"
+    assert f"train: {batches} batches per epoch {shown}" in caplog.text
 
 
 def test_the_classes_line_counts_each_classs_images_in_each_split():

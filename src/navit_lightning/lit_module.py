@@ -24,7 +24,7 @@ from navit_lightning.batch import IGNORE_LABEL, PackedBatch, check_layout, image
 from navit_lightning.errors import ConfigError, require_flags
 from navit_lightning.models import NaViT, build_head
 from navit_lightning.utils.checkpoints import numbered_classes, read_checkpoint, run_class_names
-from navit_lightning.utils.schedules import check_lr_scaling, lr_scale
+from navit_lightning.utils.schedules import check_lr_scaling, limited, lr_scale
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -66,11 +66,6 @@ class ResumePoint(NamedTuple):
     def batches_left(self, epoch_batches: int) -> int:
         """The batches of its epoch still to train, of `epoch_batches` an epoch at most."""
         return max(0, min(self.batches_planned, epoch_batches) - self.batches_done)
-
-
-def limited(batches: int, limit: int | float) -> int:
-    """An epoch's `batches` under trainer.limit_train_batches, as Lightning counts them."""
-    return min(batches, limit) if isinstance(limit, int) else int(batches * limit)
 
 
 def image_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from navit_lightning.data.transforms import longest_side
 from navit_lightning.data.workers import loader_context, loader_worker_init, usable_cores
 from navit_lightning.errors import ConfigError, DataError, require_counts, require_flags
 from navit_lightning.utils.launch import srun_tasks
+from navit_lightning.utils.schedules import limited
 
 # What one optimizer step consumes, logged at the start of training (see _report_effective_batch).
 EFFECTIVE_BATCH_METRICS = ("effective_batch/tokens", "effective_batch/images")
@@ -323,7 +324,7 @@ class PackedImageDataModule(L.LightningDataModule):
             for name, images in splits.items()
         }
         if "test" not in self.datasets:
-            if not self.evaluate_all:
+            if not self.evaluate_all and stage != "validate":  # eval.py split=val tests nothing
                 rank_zero_info(
                     f"no test/ folder under {self.root}: the test split is the val split, which "
                     "also picks the best checkpoint; train/<class>/ beside test/<class>/ gives an "
@@ -534,11 +535,17 @@ class PackedImageDataModule(L.LightningDataModule):
         shape = self.process_shape()
         tokens = shape.rows * shape.row_len
         step_tokens = self.step_tokens()
+        trainer = self.trainer
+        limit = trainer.limit_train_batches if trainer else 1.0  # overfit_batches sets it too
+        batches = limited(stats.batches, limit)
+        knob = "overfit_batches" if trainer and trainer.overfit_batches else "limit_train_batches"
         # over the epoch's steps, the last window stepping however short it is: this rank's
         # images per batch would count its ranks' filler batches (no image) as full ones
-        step_images = stats.epoch_images / max(1, math.ceil(stats.batches / accumulation))
+        epoch_images = stats.epoch_images * batches / max(1, stats.batches)
+        step_images = epoch_images / max(1, math.ceil(batches / accumulation))
+        of_plan = "" if batches == stats.batches else f" of the {stats.batches} planned ({knob}={limit})"
         rank_zero_info(
-            f"train: {stats.batches} batches per epoch on each of {ranks} rank(s), each {shape.rows} "
+            f"train: {batches} batches per epoch{of_plan} on each of {ranks} rank(s), each {shape.rows} "
             f"rows ({self.shape.rows} x {self._devices_per_process} device(s)) x {shape.row_len} tokens "
             f"holding {stats.images_per_batch:.1f} images on average ({stats.fill:.1%} real tokens); "
             f"one optimizer step = {ranks} rank(s) x {accumulation} accumulated x {tokens} tokens "

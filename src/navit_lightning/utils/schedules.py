@@ -29,6 +29,11 @@ def check_lr_scaling(rule: str | None, reference_tokens: int) -> None:
         )
 
 
+def limited(batches: int, limit: int | float) -> int:
+    """An epoch's `batches` under trainer.limit_train_batches, as Lightning counts them."""
+    return min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+
+
 def lr_scale(rule: str, step_tokens: int, reference_tokens: int) -> float:
     """The factor that carries a learning rate tuned at `reference_tokens` a step to
     `step_tokens` a step under `rule` (one of LR_SCALING_EXPONENTS)."""
