@@ -7,7 +7,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.types import RunMode
-from omegaconf import open_dict, read_write
+from omegaconf import OmegaConf, open_dict, read_write
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.utils import launch
@@ -183,6 +183,20 @@ def test_a_run_folder_in_use_by_another_run_is_refused_and_free_once_it_ends(mon
     second.on_run_start(cfg)
     assert (tmp_path / "run" / ".run.lock").read_text() == str(os.getpid())
     second.on_run_end(cfg)
+    # a folder of another task's run: eval.py wrote over the training run's .hydra/ and csv
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        evaluation = compose("eval", [f"hydra.run.dir={tmp_path / 'run'}"], return_hydra_config=True)
+    (tmp_path / "run" / ".hydra").mkdir()
+    OmegaConf.save(cfg, tmp_path / "run" / ".hydra" / "config.yaml")
+    with pytest.raises(SystemExit):
+        launch.UniqueRunFolder().on_run_start(evaluation)
+    assert capsys.readouterr().err == (
+        f"error: hydra.run.dir={tmp_path / 'run'} holds a train run, whose .hydra/ and results eval "
+        f"would write over: give it a folder of its own, e.g. hydra.run.dir={tmp_path / 'run' / 'eval'}\n"
+    )
+    resumed = launch.UniqueRunFolder()  # a training run in its own folder: a resume
+    resumed.on_run_start(cfg)
+    resumed.on_run_end(cfg)
     # a sweep's job, in its folder, as a run in its own: a run given that folder is refused
     with open_dict(cfg), read_write(cfg):
         cfg.hydra.mode, cfg.hydra.runtime.output_dir = RunMode.MULTIRUN, str(tmp_path / "sweep" / "0")

@@ -157,7 +157,8 @@ class UniqueRunFolder(Callback):
     A run's first process holds its folder for the run's life: a second run given that
     hydra.run.dir while it runs (a resume typed in another terminal, a job array's fixed
     folder) is refused before Hydra writes there; it failed on the first run's checkpoint
-    files and mixed both runs' logs."""
+    files and mixed both runs' logs. So is a folder of another task's run (eval.py given the
+    training run's folder wrote over its .hydra/ config and its resolution_accuracy.csv)."""
 
     def __init__(self) -> None:
         self.lock: FolderLock | None = None
@@ -167,7 +168,10 @@ class UniqueRunFolder(Callback):
         if not given and external_launch_rank() is None:
             claim_folder(config.hydra.run)
         if is_first_process():
-            self.lock = FolderLock(Path(config.hydra.run.dir))
+            folder = Path(config.hydra.run.dir)
+            if given:
+                refuse_another_tasks_folder(folder, config.hydra.output_subdir, config.task_name)
+            self.lock = FolderLock(folder)
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self.lock is not None:
@@ -250,6 +254,22 @@ def refuse_run_folder(folder: Path, why: str) -> NoReturn:
     """One line and exit code 2, before Hydra starts the job (no traceback to print)."""
     print(f"error: hydra.run.dir={folder} {why}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def refuse_another_tasks_folder(folder: Path, output_subdir: str | None, task: str) -> None:
+    """Refuses a folder whose saved config is of another task's run (task_name)."""
+    saved = folder / (output_subdir or ".hydra") / "config.yaml"
+    try:
+        run = OmegaConf.load(saved)
+    except Exception:  # none, or not a config (OSError, YAML's errors): nothing of a run to keep
+        return
+    owner = run.get("task_name") if isinstance(run, DictConfig) else None
+    if owner is not None and owner != task:
+        refuse_run_folder(
+            folder,
+            f"holds a {owner} run, whose .hydra/ and results {task} would write over: give it a "
+            f"folder of its own, e.g. hydra.run.dir={folder / task}",
+        )
 
 
 def refuse_unwritable(folder: Path, error: OSError) -> NoReturn:
