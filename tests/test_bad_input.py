@@ -240,9 +240,10 @@ def test_refused_roots_say_what_to_fix(tmp_path):
             PackedImageDataModule(str(root), **kwargs).class_names()
         return str(error.value)
 
-    assert "does not exist: set data.root" in refused(tmp_path / "nowhere")
+    # eval.py, which takes the data group from the checkpoint, refuses data.root alone
+    assert "does not exist: give data=imagefolder data.root=<the folder" in refused(tmp_path / "nowhere")
     (tmp_path / "images.zip").write_bytes(b"PK")  # said not to exist
-    assert "is a file: unpack it, and set data.root to the folder" in refused(tmp_path / "images.zip")
+    assert "is a file: unpack it, and give data=imagefolder data.root=" in refused(tmp_path / "images.zip")
     (tmp_path / "flat").mkdir()
     save(Image.new("RGB", (8, 8)), tmp_path / "flat" / "loose.png")
     assert "has no class sub-folders" in refused(tmp_path / "flat")

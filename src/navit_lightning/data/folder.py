@@ -231,14 +231,16 @@ def check_no_splits_as_classes(
         )
 
 
+# data.root alone is refused by eval.py, which takes the data group from the checkpoint
+GIVE_ROOT = "give data=imagefolder data.root=<the folder of class sub-folders>"
+
+
 def folder_layout(root: Path, need_train: bool = True) -> dict[str, str]:
     """split_layout of a folder on disk."""
     if root.is_file():  # an archive of the images, most often
-        raise DataError(
-            f"image folder {root} is a file: unpack it, and set data.root to the folder of class sub-folders"
-        )
+        raise DataError(f"image folder {root} is a file: unpack it, and {GIVE_ROOT}")
     if not root.is_dir():
-        raise DataError(f"image folder {root} does not exist: set data.root to a folder of class sub-folders")
+        raise DataError(f"image folder {root} does not exist: {GIVE_ROOT}")
 
     def subfolders(name: str) -> set[str]:
         return set(folder_names(root / name))
