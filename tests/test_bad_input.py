@@ -256,7 +256,10 @@ def test_refused_roots_say_what_to_fix(tmp_path):
     )
     (tmp_path / "bare" / "cat").mkdir(parents=True)
     (tmp_path / "bare" / "cat" / "readme.md").write_text("no images here")
-    assert "cat holds no images" in refused(tmp_path / "bare")
+    for number in range(2):  # a phone's photos: said to hold nothing
+        (tmp_path / "bare" / "cat" / f"IMG_{number}.HEIC").write_bytes(b"")
+    assert "cat holds no images (.avif" in refused(tmp_path / "bare")
+    assert "), 3 file(s) of other types left out (.heic 2, .md 1): add images" in refused(tmp_path / "bare")
     save(Image.new("RGB", (8, 8)), tmp_path / "alone" / "cat" / "1.png")
     assert "has one class folder (cat): a classifier needs two or more" in refused(tmp_path / "alone")
     with pytest.raises(DataError, match=r"lower data\.max_patches"):

@@ -25,6 +25,7 @@ from navit_lightning.data.index import (
     StringTable,
     image_entries,
     is_hidden,
+    other_files,
     read_sizes,
 )
 from navit_lightning.data.packing import ImageSample
@@ -56,9 +57,11 @@ def check_class_folders(root: Path, classes: list[str]) -> None:
     """Refuse a class folder without a single image file (its class could never be learnt),
     and a single class (nothing to tell apart)."""
     for name in classes:
-        if next(image_entries(root / name), None) is None:
+        others: Counter[str] = Counter()
+        if next(image_entries(root / name, others), None) is None:  # a phone's .heic photos alone
+            held = f", {other_files(others)}" if others else ""
             raise DataError(
-                f"class folder {root / name} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))}): "
+                f"class folder {root / name} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))}){held}: "
                 "add images or remove the folder"
             )
     if len(classes) < 2:
