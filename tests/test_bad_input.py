@@ -234,6 +234,35 @@ def test_files_that_pillows_plugins_fail_on_otherwise_are_skipped_too(tmp_path):
     assert decoded["good.png"] is not None and dataset.take_unreadable_count() == 2
 
 
+def test_images_past_data_max_image_pixels_are_left_out_by_name_and_pillows_guard_is_not_in_the_way(
+    tmp_path, caplog
+):
+    """Pillow refused images over 179 MP as "could be decompression bomb DOS attack", with no
+    setting to read them, and warned of those over 89 MP naming no file, once per worker."""
+    for name in ("a/1.png", "a/2.png", "b/1.png", "b/2.png"):
+        save(Image.new("RGB", (16, 16)), tmp_path / "images" / name)
+    save(Image.new("RGB", (100, 60)), tmp_path / "images" / "a" / "wide.png")
+    kept = {}
+    for limit in (5000, None):
+        datamodule = PackedImageDataModule(
+            str(tmp_path / "images"), patch_size=8, max_patches=16, num_workers=0, max_image_pixels=limit
+        )
+        datamodule.prepare_data()
+        with caplog.at_level(logging.WARNING):
+            datamodule.setup("fit")
+            datamodule.predict_on(sorted((tmp_path / "images").rglob("*.png")))
+            datamodule.setup("predict")
+        kept[limit] = {name: len(dataset) for name, dataset in datamodule.datasets.items()}
+    assert kept[5000]["predict"] == 4 and kept[None]["predict"] == 5
+    assert kept[5000]["train"] + kept[5000]["val"] == 4 and kept[None]["train"] + kept[None]["val"] == 5
+    wide = tmp_path / "images" / "a" / "wide.png"
+    reason = "100 x 60 = 6,000 pixels, over data.max_image_pixels=5,000: raise it (or null) to read it"
+    assert caplog.text.count(f"skipping {wide}: not a readable image ({reason})") == 2
+    save(Image.new("1", (20_000, 10_000)), tmp_path / "scan.png")  # 200 MP, 1 bit a pixel
+    with Image.open(tmp_path / "scan.png") as image:
+        assert upright_size(image) == (10_000, 20_000)
+
+
 def test_refused_roots_say_what_to_fix(tmp_path):
     def refused(root, **kwargs):
         with pytest.raises(DataError) as error:

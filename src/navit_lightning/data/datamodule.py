@@ -32,12 +32,13 @@ from navit_lightning.data.folder import (
     split_images,
     unevaluated_classes,
     warn_unreadable,
+    within_pixels,
 )
 from navit_lightning.data.index import Manifest, index_folder, manifest_path
 from navit_lightning.data.packing import PackCollate
 from navit_lightning.data.sampler import PackedBatchSampler, SizePolicy
 from navit_lightning.data.shards import load_shards, shard_classes
-from navit_lightning.data.transforms import longest_side
+from navit_lightning.data.transforms import PILLOW_MAX_PIXELS, longest_side
 from navit_lightning.data.workers import loader_context, loader_worker_init, usable_cores
 from navit_lightning.errors import ConfigError, DataError, require_counts, require_flags
 from navit_lightning.utils.launch import srun_tasks
@@ -138,6 +139,7 @@ class PackedImageDataModule(L.LightningDataModule):
         index_dir: str | None = None,
         shards: bool = False,
         evaluate_all: bool = False,
+        max_image_pixels: int | None = PILLOW_MAX_PIXELS,
     ) -> None:
         super().__init__()
         require_counts(
@@ -148,6 +150,7 @@ class PackedImageDataModule(L.LightningDataModule):
             row_len=row_len,
             max_images_per_row=max_images_per_row,
             lookahead=lookahead,
+            max_image_pixels=max_image_pixels,
         )
         require_flags(
             "data",
@@ -195,6 +198,7 @@ class PackedImageDataModule(L.LightningDataModule):
         self.index_dir = index_dir
         self.shards = shards
         self.evaluate_all = evaluate_all
+        self.max_image_pixels = max_image_pixels
         if multiprocessing_context not in (None, *multiprocessing.get_all_start_methods()):
             raise DataError(
                 f"data.multiprocessing_context={multiprocessing_context!r} is unknown: use one of "
@@ -275,6 +279,8 @@ class PackedImageDataModule(L.LightningDataModule):
                 return
             numbered = [(path, number) for number, path in enumerate(self.predict_paths)]
             images, unreadable = images_of_files(numbered, workers=usable_cores())
+            images, too_large = within_pixels(images, self.max_image_pixels)
+            unreadable += too_large
             warn_unreadable_on_rank_zero(unreadable)
             if not len(images.labels):
                 raise DataError(
@@ -289,7 +295,9 @@ class PackedImageDataModule(L.LightningDataModule):
         manifest, layout = self._manifest()
         splits, loose = {}, {}
         for split, folder in layout.items():
-            splits[split], unreadable, loose[folder] = split_images(manifest, self.root, folder, classes)
+            images, unreadable, loose[folder] = split_images(manifest, self.root, folder, classes)
+            splits[split], too_large = within_pixels(images, self.max_image_pixels)
+            unreadable += too_large
             warn_unreadable_on_rank_zero(unreadable)
             if unreadable:
                 rank_zero_warn(

@@ -368,6 +368,24 @@ def images_of_files(items: list[tuple[Path, int]], workers: int = 1) -> tuple[Im
     return images, unreadable
 
 
+def within_pixels(images: Images, max_pixels: int | None) -> tuple[Images, Unreadable]:
+    """The images of at most `max_pixels` (height x width; None: any), and why each other one
+    is left out: a loader worker decodes an image whole (~3 bytes a pixel), a JPEG at 1/8 of
+    its sides at the least."""
+    if max_pixels is None:
+        return images, []
+    pixels = images.sizes.astype(np.int64).prod(axis=1)
+    unreadable = [
+        (
+            Path(images.name(row)),
+            f"{images.sizes[row, 1]} x {images.sizes[row, 0]} = {pixels[row]:,} pixels, over "
+            f"data.max_image_pixels={max_pixels:,}: raise it (or null) to read it",
+        )
+        for row in np.flatnonzero(pixels > max_pixels).tolist()
+    ]
+    return (images.take(np.flatnonzero(pixels <= max_pixels)) if unreadable else images), unreadable
+
+
 def warn_unreadable(unreadable: Unreadable) -> None:
     for path, why in unreadable:
         log.warning("skipping %s: not a readable image (%s)", path, why)

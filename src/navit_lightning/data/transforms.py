@@ -12,6 +12,14 @@ from PIL import Image
 
 from navit_lightning.data.packing import ImageSample
 
+# Every image's size is checked from its header against data.max_image_pixels
+# (folder.within_pixels), which names each file it leaves out. Pillow's own guard refused
+# images over 179 MP in every process that opens images, and warned of those over 89 MP
+# without naming the file, once in each loader worker.
+Image.MAX_IMAGE_PIXELS = None
+# Pillow's guard, as it was: the largest image it opened (twice its MAX_IMAGE_PIXELS)
+PILLOW_MAX_PIXELS = 178_956_970
+
 ORIENTATION_TAG = 0x0112
 # EXIF orientation -> the transpose that turns the stored pixels upright; 5..8 swap the sides
 UPRIGHT = {
