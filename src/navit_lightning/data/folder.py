@@ -451,10 +451,14 @@ class ImageFolder(Dataset):
         count, self._failures_taken = total - self._failures_taken, total
         return count
 
+    def failed(self) -> np.ndarray:
+        """(images,) bool: each image has failed to decode in this process's loaders."""
+        return np.frombuffer(self.failures, dtype=np.int32) > 0
+
     def name_new_failures(self) -> None:
         """Name each file that has failed to decode since the last call, once: from the process
         that logs to the run's console and train.log (a loader worker's log reached neither)."""
-        failed = np.frombuffer(self.failures, dtype=np.int32) > 0
+        failed = self.failed()
         for index in np.flatnonzero(failed & ~self._named):
             log.warning("skipping %s: it could not be decoded%s", self.images.name(index), self._why(index))
         self._named |= failed

@@ -10,6 +10,7 @@ from functools import partial
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import EarlyStopping, ThroughputMonitor, WeightAveraging
 from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
@@ -281,6 +282,38 @@ class UnreadableImageReport(L.Callback):
                 f"{stage} epoch {epoch}: none of its {failed} images could be decoded (named above): "
                 f"the images under {trainer.datamodule.root} are gone or damaged; restore them and {again}"
             )
+        if stage == "train" and failed + self._total(trainer, "val/unreadable_images"):
+            self._refuse_classes_never_decoded(trainer)
+
+    @staticmethod
+    def _refuse_classes_never_decoded(trainer: L.Trainer) -> None:
+        """Stops a run where every training or validation image of a class has failed to
+        decode (on whichever rank each was dealt to): it trained, or scored val/acc, around the
+        class. One all_reduce of a byte an image, on every rank alike (the reduced counts that
+        call it are equal on all of them), where no epoch metric is left to compute."""
+        datasets = trainer.datamodule.datasets
+        splits = [split for split in ("train", "val") if split in datasets]
+        failed = torch.from_numpy(np.concatenate([datasets[split].failed() for split in splits]))
+        failed = failed.to(torch.uint8).to(trainer.strategy.root_device)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+        failed = failed.bool().cpu().numpy()
+        start = 0
+        for split in splits:
+            labels = datasets[split].images.labels
+            split_failed, start = failed[start : start + len(labels)], start + len(labels)
+            counts = np.bincount(labels)
+            failing = np.bincount(labels[split_failed], minlength=len(counts))
+            never = np.flatnonzero((counts > 0) & (failing == counts))
+            if len(never):
+                names = trainer.datamodule.class_names()
+                classes = ", ".join(f"{names[label]} ({counts[label]})" for label in never[:5])
+                around = "trained" if split == "train" else "scored val/acc"
+                raise DataError(
+                    f"{split}: every image of class {classes}{', ...' if len(never) > 5 else ''} failed "
+                    f"to decode (named above), and the run {around} around it: restore them or remove "
+                    "the class folder, then train again"
+                )
 
     @staticmethod
     def _total(trainer: L.Trainer, name: str) -> int:
