@@ -97,6 +97,21 @@ def test_every_mode_becomes_8_bit_rgb(image, pixel):
     assert rgb.mode == "RGB" and rgb.getpixel((0, 0)) == pixel
 
 
+@pytest.mark.parametrize(
+    "values",
+    [
+        np.linspace(0, 1.9e9, 16, dtype=np.int32),  # 32-bit: was white from 1/3 of its range
+        np.linspace(-1000, 1000, 16).astype(np.int32),  # signed 16-bit: was 0..3
+        np.linspace(0, 1000, 16, dtype=np.float32),  # wide floats: was white past 255
+        np.linspace(-1, 1, 16, dtype=np.float32),  # was black below 0
+    ],
+    ids=["I-32-bit", "I-signed", "F-wide", "F-signed"],
+)
+def test_wide_grey_values_past_16_bits_or_the_unit_range_keep_their_range(values):
+    rgb = np.asarray(to_rgb(Image.fromarray(values.reshape(4, 4))))[..., 0].flatten()
+    assert rgb[0] == 0 and rgb[-1] == 255 and (np.diff(rgb.astype(int)) > 0).all()
+
+
 def test_a_16_bit_pngs_transparent_grey_becomes_white_and_only_it():
     """Its tRNS value is a 16-bit grey: matched against the 8-bit values it whitened other
     pixels and left itself black."""

@@ -106,28 +106,40 @@ def fit_grid(height: int, width: int, patch_size: int, max_patches: int) -> tupl
     return int(grid_h[0]), int(grid_w[0])
 
 
-HIGH_BIT_DEPTH_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N"}
+WIDE_GREY_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}
+
+
+def grey_scaling(image: Image.Image) -> tuple[float, float]:
+    """(offset, factor): (value - offset) * factor takes a wide grey image ("I" or "F") to 8
+    bits. Whole numbers as 16 bits, floats in [0, 1] or [0, 255] as such; other values (signed,
+    32-bit, wide floats, which those would clip to black or white) by the image's own range."""
+    low, high = image.getextrema()
+    if image.mode == "I" and low >= 0 and high <= 65535:
+        return 0.0, 1 / 256
+    if image.mode == "F" and low >= 0 and high <= 1:
+        return 0.0, 255.0
+    if image.mode == "F" and low >= 0 and high <= 255:
+        return 0.0, 1.0
+    return low, 255 / max(high - low, 1e-12)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
     """Any Pillow image as 8-bit RGB: transparency (an alpha band, or a PNG's transparent
-    colour) laid over white, 16/32-bit grey scaled to 8 bits (a plain convert would clip it
-    to white), float grey in [0, 1] scaled to 8 bits (a plain convert would make it black)."""
+    colour) laid over white, wide grey (16/32-bit, float) scaled to 8 bits by grey_scaling (a
+    plain convert clipped 16 bits to white, and made floats in [0, 1] black)."""
     if image.mode == "RGB" and "transparency" not in image.info:
         return image
-    if image.mode in HIGH_BIT_DEPTH_MODES:
+    if image.mode in WIDE_GREY_MODES:
         # through "I": Pillow's point() refuses the 16-bit modes of either byte order
-        wide = image.convert("I")
+        wide = image if image.mode == "F" else image.convert("I")
         transparent = image.info.get("transparency")
-        image = wide.point(lambda value: value / 256).convert("L")
+        offset, factor = grey_scaling(wide)
+        image = wide.point(lambda value: (value - offset) * factor).convert("L")
         if transparent is not None:  # a 16-bit grey: matched before the scaling to 8 bits
             image.info.pop("transparency", None)
             image.putalpha(
                 Image.fromarray(np.where(np.asarray(wide) == transparent, 0, 255).astype(np.uint8))
             )
-    elif image.mode == "F":
-        scale = 255 if image.getextrema()[1] <= 1 else 1
-        image = image.point(lambda value: value * scale).convert("L")
     if image.mode in ("P", "L", "RGB") and "transparency" in image.info:
         image = image.convert("RGBA")
     if image.mode in ("RGBA", "LA", "PA"):
