@@ -278,6 +278,21 @@ def test_images_past_data_max_image_pixels_are_left_out_by_name_and_pillows_guar
         assert upright_size(image) == (10_000, 20_000)
 
 
+def test_a_split_folder_of_empty_class_folders_says_it_holds_no_images(tmp_path):
+    """It said "no readable images" of a folder with no file in it."""
+    for split in ("train", "val"):
+        for name in ("a/1.png", "b/1.png"):
+            save(Image.new("RGB", (16, 16)), tmp_path / split / name)
+    for name in ("a", "b"):
+        (tmp_path / "test" / name).mkdir(parents=True)
+    datamodule = PackedImageDataModule(str(tmp_path), patch_size=8, max_patches=4, num_workers=0)
+    datamodule.prepare_data()
+    with pytest.raises(
+        DataError, match=rf"^{re.escape(str(tmp_path / 'test'))} holds no images: put them in its"
+    ):
+        datamodule.setup("fit")
+
+
 def test_refused_roots_say_what_to_fix(tmp_path):
     def refused(root, **kwargs):
         with pytest.raises(DataError) as error:

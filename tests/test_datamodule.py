@@ -53,11 +53,14 @@ def test_a_flat_folder_is_split_by_seed_and_every_image_is_batched_once(project_
         splits.append(datamodule.datasets["val"].images.paths.tolist())
     # without test/, testing is on the val split, and training says so
     assert datamodule.datasets["test"] is datamodule.datasets["val"]
-    assert f"no test/ folder under {tmp_path / 'images'}: the test split is the val split" in caplog.text
+    assert (
+        f"no test/<class>/ folders under {tmp_path / 'images'}: the test split is the val split"
+        in caplog.text
+    )
     caplog.clear()
     with caplog.at_level(logging.INFO):  # eval.py split=val
         PackedImageDataModule(str(tmp_path / "images"), patch_size=16, max_patches=64).setup("validate")
-    assert "classes" in caplog.text and "no test/ folder" not in caplog.text
+    assert "classes" in caplog.text and "no test/<class>/ folders" not in caplog.text
     assert splits[0] == splits[1] and len(splits[0]) == round(192 * 0.1)
     train_paths = set(datamodule.datasets["train"].images.paths.tolist())
     assert train_paths.isdisjoint(splits[0]) and len(train_paths) == 192 - len(splits[0])

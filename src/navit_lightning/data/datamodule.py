@@ -293,11 +293,12 @@ class PackedImageDataModule(L.LightningDataModule):
             return
         classes = self.class_names()
         manifest, layout = self._manifest()
-        splits, loose = {}, {}
+        splits, loose, files = {}, {}, {}
         for split, folder in layout.items():
             images, unreadable, loose[folder] = split_images(manifest, self.root, folder, classes)
             splits[split], too_large = within_pixels(images, self.max_image_pixels)
             unreadable += too_large
+            files[split] = len(images.labels) + len(unreadable)
             warn_unreadable_on_rank_zero(unreadable)
             if unreadable:
                 rank_zero_warn(
@@ -321,6 +322,10 @@ class PackedImageDataModule(L.LightningDataModule):
                     "them; give those classes more images, or a val/ folder"
                 )
         for name, images in splits.items():
+            if not files.get(name, 1):  # class folders, all empty
+                raise DataError(
+                    f"{self.root / layout[name]} holds no images: put them in its class folders, or remove it"
+                )
             if not len(images.labels):
                 raise DataError(f"no readable images for the {name} split under {self.root}")
         if not self.evaluate_all:
@@ -334,7 +339,7 @@ class PackedImageDataModule(L.LightningDataModule):
         if "test" not in self.datasets:
             if not self.evaluate_all and stage != "validate":  # eval.py split=val tests nothing
                 rank_zero_info(
-                    f"no test/ folder under {self.root}: the test split is the val split, which "
+                    f"no test/<class>/ folders under {self.root}: the test split is the val split, which "
                     "also picks the best checkpoint; train/<class>/ beside test/<class>/ gives an "
                     "independent test/acc"
                 )
