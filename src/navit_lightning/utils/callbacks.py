@@ -263,13 +263,15 @@ class UnreadableImageReport(L.Callback):
         if stage not in self.epoch:
             return
         epoch = self.epoch.pop(stage)  # once per counted epoch
+        # a test is no epoch: after a fit current_epoch is the number of epochs trained
+        counted = stage if stage == "test" else f"{stage} epoch {epoch}"
         failed, decoded = (
             self._total(trainer, f"{stage}/{name}") for name in ("unreadable_images", "decoded_images")
         )
         if failed and trainer.is_global_zero:
             # a log line: Python shows a warning from one place once, here the first epoch's
             count = f"{failed} image{'s' if failed > 1 else ''}"
-            log.warning("%s epoch %d: skipped %s that could not be decoded", stage, epoch, count)
+            log.warning("%s: skipped %s that could not be decoded", counted, count)
         if failed and not decoded:
             # a validation's stop comes before its save, which a resume runs again; a training
             # epoch's, after the epoch's end was saved
@@ -279,7 +281,7 @@ class UnreadableImageReport(L.Callback):
                 else f"run again ({resume_overrides()} resumes a training run)"
             )
             raise DataError(
-                f"{stage} epoch {epoch}: none of its {failed} images could be decoded (named above): "
+                f"{counted}: none of its {failed} images could be decoded (named above): "
                 f"the images under {trainer.datamodule.root} are gone or damaged; restore them and {again}"
             )
         if stage == "train" and failed + self._total(trainer, "val/unreadable_images"):
