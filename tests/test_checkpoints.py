@@ -65,6 +65,16 @@ def test_eval_and_predict_take_the_runs_data_with_what_the_command_changes(task,
     assert OmegaConf.to_container(data_for(cfg, run)) == {"_target_": "the.runs.DataModule", **expected}
 
 
+def test_an_evaluation_given_a_patch_budget_past_the_runs_rows_lengthens_them():
+    """+data.max_patches=200 on a run of 144-token rows was refused as a training shape, where
+    patch_budgets=[200] lengthened the rows."""
+    run = OmegaConf.create({"data": {"_target_": "the.runs.DataModule", "max_patches": 36, "row_len": 144}})
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        for budget, row_len in ((200, 200), (100, 144)):
+            cfg = compose("eval", overrides=["ckpt_path=run.ckpt", f"+data.max_patches={budget}"])
+            assert (data_for(cfg, run).max_patches, data_for(cfg, run).row_len) == (budget, row_len)
+
+
 def test_the_stored_data_root_is_absolute_but_for_a_url(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     assert absolute_path("images") == str(tmp_path / "images")

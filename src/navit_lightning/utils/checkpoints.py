@@ -25,7 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from navit_lightning.errors import ConfigError, OutputError
+from navit_lightning.errors import ConfigError, OutputError, is_count
 from navit_lightning.utils.instantiate import (
     absolute_path,
     dotted_settings,
@@ -662,6 +662,10 @@ def data_for(cfg: DictConfig, run: DictConfig, given: Collection[str] = ()) -> D
     merged = OmegaConf.merge(run.data, chosen)
     if group:  # the run's own datamodule, derived from the group's, takes the run's settings
         merged._target_ = derived
+    if "max_patches" in chosen and is_count(merged.max_patches) and merged.max_patches > merged.row_len:
+        # an evaluation's rows hold one image at any size (the datamodule lengthens them); a
+        # max_patches past row_len is refused of the training rows
+        merged.row_len = merged.max_patches
     if "root" in chosen:  # resolved where the command's config can (data.root=${paths.data_dir}/x)
         merged.root = absolute_path(data.root)
         if not same_folder(merged.root, run.data.root) and "evaluate_all" not in given:
