@@ -1,5 +1,6 @@
 """Processes started by torchrun or SLURM agree on one run folder and one log writer."""
 
+import errno
 import os
 from datetime import datetime, timedelta
 
@@ -220,6 +221,20 @@ def test_a_run_folder_in_use_by_another_run_is_refused_and_free_once_it_ends(mon
         assert said.startswith("error: hydra.run.dir=") and said.endswith(
             "cannot be written (Not a directory): give paths.log_dir or hydra.run.dir a writable folder\n"
         )
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):  # a sweep's: its setting named
+        cfg = compose("train", [f"paths.log_dir={tmp_path / 'a file'}"], return_hydra_config=True)
+    with pytest.raises(SystemExit):
+        launch.UniqueRunFolder().on_multirun_start(cfg)
+    assert "give paths.log_dir or hydra.sweep.dir a writable folder" in capsys.readouterr().err
+    # a lock file that takes no write (a full disk: Hydra's traceback as it saved the config)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / ".run.lock").symlink_to("/dev/full")
+    with pytest.raises(SystemExit):
+        launch.FolderLock(tmp_path / "full")
+    assert capsys.readouterr().err.startswith(f"error: hydra.run.dir={tmp_path / 'full'} cannot be written (")
+    with pytest.raises(SystemExit):
+        launch.refuse_unwritable(tmp_path, OSError(errno.ENOSPC, "No space left on device"))
+    assert "(No space left on device): free space there, or give paths.log_dir" in capsys.readouterr().err
 
 
 def test_runs_started_in_the_same_second_get_folders_of_their_own(monkeypatch, tmp_path):

@@ -18,6 +18,7 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from omegaconf import OmegaConf
 
+from navit_lightning.errors import OutputError
 from navit_lightning.utils.loggers import (
     AppendingExperimentWriter,
     ResumableMLFlowLogger,
@@ -245,6 +246,25 @@ def test_a_failed_job_closes_its_loggers_as_failed():
         logger.finalize.assert_called_once_with("failed")
         logger.log_metrics.assert_not_called()  # nothing final to log
     wandb_logger.experiment.finish.assert_called_once_with(exit_code=1)
+
+
+def test_a_job_failed_by_a_full_disk_keeps_its_error_when_its_loggers_fail_to_close(recwarn):
+    """The checkpoint's one-line error ended in Lightning's ValueError from TensorBoard, on the
+    same full disk, as the run's last words (exit code 1, 150 lines of tracebacks)."""
+    logger = MagicMock(spec=CSVLogger)
+    disk_full = OSError(28, "No space left on device")
+    logger.log_metrics.side_effect = ValueError("you tried to log 0.18")
+    logger.log_metrics.side_effect.__cause__ = disk_full
+    trainer = SimpleNamespace(loggers=[logger], global_step=3)
+    results = {"hp/val_acc": 0.18}
+    with (
+        pytest.raises(OutputError, match="cannot be written"),
+        loggers_closed_on_failure(trainer, lambda: results),
+    ):
+        raise OutputError("checkpoint last.ckpt cannot be written")
+    assert "the loggers could not be closed (OSError: [Errno 28] No space left on device)" in str(
+        recwarn.pop().message
+    )
 
 
 @pytest.mark.parametrize("step", [0, 3])

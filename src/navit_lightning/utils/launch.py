@@ -9,6 +9,7 @@ on its own: without this, each would name a folder by its own clock and append t
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import logging
 import os
@@ -166,7 +167,7 @@ class UniqueRunFolder(Callback):
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         given = any(o.startswith("hydra.run.dir=") for o in config.hydra.overrides.hydra)
         if not given and external_launch_rank() is None:
-            claim_folder(config.hydra.run)
+            claim_folder(config.hydra.run, "hydra.run.dir")
         if is_first_process():
             folder = Path(config.hydra.run.dir)
             if given:
@@ -190,7 +191,7 @@ class UniqueRunFolder(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         clock_named = "${run_stamp:" in OmegaConf.to_container(config.hydra.sweep, resolve=False)["dir"]
         if clock_named and external_launch_rank() is None:
-            claim_folder(config.hydra.sweep)
+            claim_folder(config.hydra.sweep, "hydra.sweep.dir")
             # the launcher composes each job's config again from the overrides
             quoted = config.hydra.sweep.dir.replace("'", "\\'")
             with read_write(config.hydra.overrides):
@@ -237,9 +238,13 @@ class FolderLock:
                 self.file = file
             else:  # its holder removed it as we opened it: lock the one there now
                 file.close()
-        self.file.truncate(0)
-        self.file.write(str(os.getpid()))
-        self.file.flush()
+        try:
+            self.file.truncate(0)
+            self.file.write(str(os.getpid()))
+            self.file.flush()
+        except OSError as error:  # a full disk: Hydra's traceback when it saved the config
+            self.file.close()
+            refuse_unwritable(folder, error)
         atexit.register(self.release)  # a run refused in its task ends without on_run_end
 
     def release(self) -> None:
@@ -250,9 +255,9 @@ class FolderLock:
             self.file = None
 
 
-def refuse_run_folder(folder: Path, why: str) -> NoReturn:
+def refuse_run_folder(folder: Path, why: str, setting: str = "hydra.run.dir") -> NoReturn:
     """One line and exit code 2, before Hydra starts the job (no traceback to print)."""
-    print(f"error: hydra.run.dir={folder} {why}", file=sys.stderr)
+    print(f"error: {setting}={folder} {why}", file=sys.stderr)
     raise SystemExit(2)
 
 
@@ -272,9 +277,10 @@ def refuse_another_tasks_folder(folder: Path, output_subdir: str | None, task: s
         )
 
 
-def refuse_unwritable(folder: Path, error: OSError) -> NoReturn:
-    why = f"cannot be written ({error.strerror}): give paths.log_dir or hydra.run.dir a writable folder"
-    refuse_run_folder(folder, why)
+def refuse_unwritable(folder: Path, error: OSError, setting: str = "hydra.run.dir") -> NoReturn:
+    fix = "free space there, or give" if error.errno == errno.ENOSPC else "give"
+    why = f"cannot be written ({error.strerror}): {fix} paths.log_dir or {setting} a writable folder"
+    refuse_run_folder(folder, why, setting)
 
 
 def is_at(file: TextIO, path: Path) -> bool:
@@ -285,7 +291,7 @@ def is_at(file: TextIO, path: Path) -> bool:
         return False
 
 
-def claim_folder(node: DictConfig) -> None:
+def claim_folder(node: DictConfig, setting: str) -> None:
     """Make node.dir, or the first free <its name>_2, _3, ... beside it, and set node.dir to it."""
     stamped = Path(node.dir)
     folder, number = stamped, 1
@@ -297,7 +303,7 @@ def claim_folder(node: DictConfig) -> None:
             number += 1
             folder = stamped.with_name(f"{stamped.name}_{number}")
         except OSError as error:
-            refuse_unwritable(folder, error)
+            refuse_unwritable(folder, error, setting)
     with read_write(node):
         node.dir = str(folder)
 

@@ -15,7 +15,7 @@ from lightning.fabric.utilities.logger import _convert_params, _flatten_dict
 from lightning.pytorch.loggers import CSVLogger, Logger, MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig
 
 from navit_lightning.utils.instantiate import absolute_path, instantiate_group
@@ -201,5 +201,9 @@ def loggers_closed_on_failure(
     try:
         yield
     except BaseException:
-        finish_loggers(trainer, results() if trainer.global_step > 0 else {}, status="failed")
+        try:
+            finish_loggers(trainer, results() if trainer.global_step > 0 else {}, status="failed")
+        except Exception as error:  # the full disk that failed the job, most often: its error counts
+            why = error.__cause__ or error  # Lightning's ValueError over TensorBoard's OSError
+            rank_zero_warn(f"the loggers could not be closed ({type(why).__name__}: {why})")
         raise
