@@ -336,8 +336,23 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatc
     assert torch.load(path, weights_only=True) == {"step": 1}
     assert [p.name for p in path.parent.iterdir()] == ["last.ckpt"]
     (tmp_path / "a file").touch()
-    with pytest.raises(OutputError, match=r"a file/last\.ckpt cannot be written \(File exists\)"):
+    # no space to free: it said to free space on any error
+    with pytest.raises(
+        OutputError, match=r"a file/last\.ckpt cannot be written \(File exists\): resume in a"
+    ):
         io.save_checkpoint({"step": 2}, tmp_path / "a file" / "last.ckpt")
+
+
+def test_a_saved_checkpoint_is_on_the_disk_before_its_name(tmp_path, monkeypatch):
+    """A node that lost power could come back with last.ckpt naming a short file."""
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or real_fsync(fd)
+    )
+    path = tmp_path / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"step": 1}, path)
+    assert synced == [str(tmp_path / ".last.ckpt.partial"), str(tmp_path)]
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ a run starts from one; and what eval.py and predict.py rebuild from one."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -60,19 +61,36 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(checkpoint, partial)
+            # on the disk before the rename, and the rename too: a node that loses power may
+            # otherwise come back with the new name on a short file
+            with open(partial, "rb") as written:
+                os.fsync(written.fileno())
             os.replace(partial, path)  # atomic within one file system
+            sync_folder(path.parent)
         except (OSError, RuntimeError) as error:
             # torch's writer raises a RuntimeError with no errno ("unexpected pos ..." on a full disk)
             why = (
                 getattr(error, "strerror", None) or f"{str(error).rsplit('] . ', 1)[-1]}; {free_space(path)}"
             )
+            full = getattr(error, "errno", errno.ENOSPC) in (errno.ENOSPC, errno.EDQUOT, None)
             raise OutputError(
-                f"checkpoint {path} cannot be written ({why}): free space there, or resume in a "
-                f"writable hydra.run.dir; the {path.name} saved before, if any, is whole"
+                f"checkpoint {path} cannot be written ({why}): {'free space there, or ' if full else ''}"
+                f"resume in a writable hydra.run.dir; the {path.name} saved before, if any, is whole"
             ) from None
         finally:
             with suppress(OSError):  # its folder may be what failed
                 partial.unlink(missing_ok=True)
+
+
+def sync_folder(folder: Path) -> None:
+    """Its entries on the disk; some file systems take no fsync of a folder (their renames are
+    durable, or never will be): nothing to do there."""
+    with suppress(OSError):
+        descriptor = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
 
 
 def free_space(path: Path) -> str:
