@@ -1,3 +1,4 @@
+import errno
 import json
 import logging
 import random
@@ -74,6 +75,25 @@ def test_an_interrupted_generation_is_finished_by_the_next_run(tmp_path, marked)
     (tmp_path / shapes.LOCK_NAME).unlink()
     shapes.generate(tmp_path, TINY, workers=1)
     assert not (tmp_path / shapes.LOCK_NAME).exists()
+
+
+def test_a_full_disk_while_generating_names_the_folder_and_a_fix_and_the_next_run_finishes(
+    tmp_path, monkeypatch
+):
+    """It ended in Pillow's AttributeError and three chained OSErrors that named neither."""
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+        yield
+
+    monkeypatch.setattr(shapes, "map_with_progress", full_disk)
+    with pytest.raises(
+        DataError, match=rf"^the built-in data set cannot be written in {re.escape(str(tmp_path))} "
+    ):
+        shapes.generate(tmp_path, TINY, workers=1)
+    monkeypatch.undo()
+    shapes.generate(tmp_path, TINY, workers=1)
+    assert len(list(tmp_path.rglob("*.jpg")) + list(tmp_path.rglob("*.png"))) == 18
 
 
 def test_two_processes_generating_one_set_make_it_once(tmp_path):

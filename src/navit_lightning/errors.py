@@ -1,7 +1,9 @@
 """Errors that name a bad setting or input and its fix: the entry points print them as one
 line and exit with code 2 (utils/entry_point.refuse_bad_input)."""
 
+import shutil
 from numbers import Integral, Real
+from pathlib import Path
 
 
 class ConfigError(ValueError):
@@ -55,3 +57,11 @@ def require_flags(prefix: str, **settings: bool) -> None:
     for name, value in settings.items():
         if not isinstance(value, bool):
             raise ConfigError(f"{prefix}.{name}={value} must be true or false")
+
+
+def free_space(path: Path) -> str:
+    """The space left on `path`'s file system, for a message."""
+    try:
+        return f"{shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free there"
+    except OSError:
+        return "the space left there unknown"

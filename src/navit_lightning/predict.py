@@ -25,13 +25,12 @@ from omegaconf import DictConfig, OmegaConf
 from navit_lightning import CONFIG_DIR
 from navit_lightning.data.folder import IMAGE_SUFFIXES, image_files_under
 from navit_lightning.data.index import SURROGATES, other_files
-from navit_lightning.errors import ConfigError, DataError, OutputError, is_count
+from navit_lightning.errors import ConfigError, DataError, OutputError, free_space, is_count
 from navit_lightning.resolution import budgets_past_the_tables
 from navit_lightning.utils.checkpoints import (
     build_from_checkpoint,
     data_for,
     data_keys_given,
-    free_space,
     load_training_run,
     numbered_classes,
 )

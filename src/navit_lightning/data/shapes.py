@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from PIL import Image, ImageDraw
 
 from navit_lightning.data.workers import map_with_progress
-from navit_lightning.errors import ConfigError, DataError, is_whole, require_counts
+from navit_lightning.errors import ConfigError, DataError, free_space, is_whole, require_counts
 
 log = logging.getLogger(__name__)
 
@@ -227,15 +227,23 @@ def _write_set(root: Path, spec: ShapesSpec, workers: int) -> None:
     marker.unlink(missing_ok=True)
     counts = {"train": spec.num_train, "val": spec.num_val, "test": spec.num_test}
     jobs = []
-    for split, count in counts.items():
-        for name in CLASSES:
-            # Another spec's (or an interrupted run's) images would mix with these.
-            shutil.rmtree(root / split / name, ignore_errors=True)
-            (root / split / name).mkdir(parents=True)
-        jobs += [(root / split, i, spec.seed + SPLIT_SEED_OFFSET[split] + i, spec) for i in range(count)]
     start = time.perf_counter()
-    for _ in map_with_progress(_write_one, jobs, f"Generating the shapes data set in {root}", workers, 64):
-        pass
+    try:
+        for split, count in counts.items():
+            for name in CLASSES:
+                # Another spec's (or an interrupted run's) images would mix with these.
+                shutil.rmtree(root / split / name, ignore_errors=True)
+                (root / split / name).mkdir(parents=True)
+            jobs += [(root / split, i, spec.seed + SPLIT_SEED_OFFSET[split] + i, spec) for i in range(count)]
+        for _ in map_with_progress(
+            _write_one, jobs, f"Generating the shapes data set in {root}", workers, 64
+        ):
+            pass
+    except OSError as error:  # a full disk: Pillow's and the pool's chained tracebacks, naming nothing
+        raise DataError(
+            f"the built-in data set cannot be written in {root} ({error.strerror or error}; "
+            f"{free_space(root / 'train')}): free space there, or give paths.data_dir=<another folder>"
+        ) from None
     marker.write_text(json.dumps(finished_marker(spec)))
     started.unlink()
     # the progress bar reaches the console alone (in a pipe, as one line cut at its end)

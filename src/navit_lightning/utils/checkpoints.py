@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import shutil
 import warnings
 import zipfile
 from collections.abc import Collection, Iterator
@@ -26,7 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from navit_lightning.errors import ConfigError, OutputError, is_count
+from navit_lightning.errors import ConfigError, OutputError, free_space, is_count
 from navit_lightning.utils.instantiate import (
     absolute_path,
     dotted_settings,
@@ -91,14 +90,6 @@ def sync_folder(folder: Path) -> None:
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
-
-
-def free_space(path: Path) -> str:
-    """The space left on `path`'s file system, for a message."""
-    try:
-        return f"{shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free there"
-    except OSError:
-        return "the space left there unknown"
 
 
 class BestCheckpoint(ModelCheckpoint):
