@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from navit_lightning.strategies.ddp import _JobRankObserver
+from navit_lightning.strategies.ddp import _JobRankObserver, end_processes
 from navit_lightning.utils.shutdown import (
     GRACE_S,
     NOTHING,
@@ -295,3 +295,22 @@ def test_a_failed_rank_ends_the_launching_process_after_the_grace_outside_a_swee
         launching.kill()
         other_rank.wait()
         launching.wait()
+
+
+def test_the_launching_process_ending_stops_the_ranks_that_outlive_its_grace():
+    """A rank stuck outside any collective (a hung loader worker) outlived its rank 0, which
+    had ended on the collective timeout, for good. One ending of its own is waited for; one
+    that ignores SIGTERM is killed."""
+    ending = subprocess.Popen(["sleep", "0.2"])
+    stuck = subprocess.Popen(["sleep", "60"])
+    deaf = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 60"])
+    time.sleep(0.2)  # the shell has set its trap
+    start = time.monotonic()
+    try:
+        end_processes([ending, stuck, deaf], grace_s=1.0, stop_s=1.0)
+        assert [ending.returncode, stuck.returncode, deaf.returncode] == [0, -signal.SIGTERM, -signal.SIGKILL]
+        assert 2.0 <= time.monotonic() - start < 10
+    finally:
+        for process in (stuck, deaf):
+            process.kill()
+            process.wait()

@@ -32,6 +32,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import suppress
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,13 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
 
 
 class _HydraJobLauncher(subprocess_script._SubprocessScriptLauncher):
+    """Ranks 1.. end with the launching process, which waits `grace_s` for them to end of
+    their own first: a rank stuck outside any collective (a loader worker hung on a file
+    system that stopped answering) outlived its rank 0, which had ended on the collective it
+    never entered, for good, holding its GPU and its loader processes."""
+
+    grace_s = 30.0
+
     def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
         with mock.patch.object(subprocess_script, "_launch_process_observer", _observe_job_ranks):
             return super().launch(function, *args, **kwargs)
@@ -101,6 +109,7 @@ class _HydraJobLauncher(subprocess_script._SubprocessScriptLauncher):
     def _call_children_scripts(self) -> None:
         with mock.patch.object(subprocess_script, "_hydra_subprocess_cmd", hydra_job_command):
             super()._call_children_scripts()
+        atexit.register(end_processes, self.procs, self.grace_s)
 
 
 class _JobRankObserver(_ChildProcessObserver):
@@ -224,6 +233,24 @@ class HydraDDPStrategy(DDPStrategy):
             self._launcher = _HydraJobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         elif HydraConfig.initialized():
             self._launcher = _HydraLoggingSpawnLauncher(self, self._start_method)
+
+
+def end_processes(processes: list[subprocess.Popen], grace_s: float, stop_s: float = 10.0) -> None:
+    """Wait up to `grace_s` for `processes` to end, then stop the rest: SIGTERM (they save
+    and end within seconds, see utils/shutdown.py), and SIGKILL after `stop_s` more."""
+    wait_for(processes, grace_s)
+    for stop in (subprocess.Popen.terminate, subprocess.Popen.kill):
+        alive = [process for process in processes if process.poll() is None]
+        for process in alive:
+            stop(process)
+        wait_for(alive, stop_s)
+
+
+def wait_for(processes: list[subprocess.Popen], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    for process in processes:
+        with suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _destroy_process_group() -> None:

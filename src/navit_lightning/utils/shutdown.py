@@ -332,8 +332,9 @@ def explain_collective_failure(trainer: L.Trainer) -> Iterator[None]:
             timeout = getattr(trainer.strategy, "collective_timeout_s", None)
             why = (
                 f"a collective in {hook} timed out" + (f" after {timeout:.0f} s" if timeout else "") + ": "
-                "another rank never entered it (every rank must enter each all_reduce, all_gather and "
-                "barrier in the same order; see utils/callbacks.py)"
+                "another rank never entered it: it is stuck (loading data from a file system that "
+                "stopped answering?), or the ranks' collectives differ (every rank must enter each "
+                "all_reduce, all_gather and barrier in the same order; see utils/callbacks.py)"
             )
         else:
             why = f"another rank stopped during a collective in {hook} (its error, if it had one, is above)"
