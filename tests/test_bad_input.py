@@ -14,6 +14,7 @@ from einops import rearrange
 from PIL import Image, ImageOps
 
 from navit_lightning.batch import PackedShape
+from navit_lightning.data import folder
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.data.folder import ImageFolder, split_images, warn_unreadable
 from navit_lightning.data.index import index_folder
@@ -293,7 +294,7 @@ def test_a_split_folder_of_empty_class_folders_says_it_holds_no_images(tmp_path)
         datamodule.setup("fit")
 
 
-def test_refused_roots_say_what_to_fix(tmp_path):
+def test_refused_roots_say_what_to_fix(tmp_path, monkeypatch):
     def refused(root, **kwargs):
         with pytest.raises(DataError) as error:
             PackedImageDataModule(str(root), **kwargs).class_names()
@@ -313,6 +314,11 @@ def test_refused_roots_say_what_to_fix(tmp_path):
     assert "class folder" in refused(tmp_path / "holey") and "dog holds no images" in refused(
         tmp_path / "holey"
     )
+    with monkeypatch.context() as unlisted:  # chmod 000 as another user than root: "holds no images"
+        unlisted.setattr(folder.os, "access", lambda path, mode: Path(path).name != "dog")
+        assert "dog cannot be listed (permission denied): give this user read access" in refused(
+            tmp_path / "holey"
+        )
     (tmp_path / "bare" / "cat").mkdir(parents=True)
     (tmp_path / "bare" / "cat" / "readme.md").write_text("no images here")
     for number in range(2):  # a phone's photos: said to hold nothing

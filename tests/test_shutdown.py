@@ -1,6 +1,7 @@
 """A multi-process run that breaks the collective rules, or gets a signal while stuck,
 ends: with one line naming the rank and the hook, and no process left behind."""
 
+import logging
 import os
 import re
 import signal
@@ -14,6 +15,7 @@ import pytest
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from navit_lightning.strategies.ddp import _JobRankObserver, end_processes
+from navit_lightning.utils.launch import resume_overrides
 from navit_lightning.utils.shutdown import (
     GRACE_S,
     NOTHING,
@@ -314,3 +316,19 @@ def test_the_launching_process_ending_stops_the_ranks_that_outlive_its_grace():
         for process in (stuck, deaf):
             process.kill()
             process.wait()
+
+
+def test_a_rank_killed_without_a_word_is_named_by_the_launching_process(caplog):
+    """Under ddp rank 0 said only that another rank stopped during a collective; ddp_spawn's
+    launching process named the rank and its signal."""
+    killed = subprocess.Popen(["sh", "-c", "kill -9 $$"])
+    failed = subprocess.Popen(["sh", "-c", "exit 2"])  # its own error is in its output
+    for process in (killed, failed):
+        process.wait(timeout=30)
+    observer = _JobRankObserver([failed, killed], in_sweep=True)
+    with caplog.at_level(logging.ERROR):
+        observer._terminate_all()
+    assert caplog.messages == [
+        "error: rank 2's process ended by SIGKILL without an error of its own (killed, or out of host "
+        f"memory?): {resume_overrides()} resumes from the last periodic or epoch save"
+    ]

@@ -6,6 +6,7 @@ import hashlib
 import io
 import logging
 import multiprocessing
+import os
 import random
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -59,6 +60,11 @@ def check_class_folders(root: Path, classes: list[str]) -> None:
     for name in classes:
         others: Counter[str] = Counter()
         if next(image_entries(root / name, others), None) is None:  # a phone's .heic photos alone
+            if not os.access(root / name, os.R_OK | os.X_OK):
+                raise DataError(
+                    f"class folder {root / name} cannot be listed (permission denied): give this "
+                    "user read access to it, or remove it"
+                )
             held = f", {other_files(others)}" if others else ""
             raise DataError(
                 f"class folder {root / name} holds no images ({', '.join(sorted(IMAGE_SUFFIXES))}){held}: "

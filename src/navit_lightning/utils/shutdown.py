@@ -297,6 +297,14 @@ def job_end(message: str, exit_code: int) -> BaseException:
     return SystemExit(exit_code)
 
 
+def rank_lost(rank: int, how: str) -> str:
+    """The line for a rank whose process ended `how` ("by SIGKILL") without a word."""
+    return (
+        f"rank {rank}'s process ended {how} without an error of its own (killed, or out of host "
+        f"memory?): {resume_overrides()} resumes from the last periodic or epoch save"
+    )
+
+
 @contextmanager
 def explain_collective_failure(trainer: L.Trainer) -> Iterator[None]:
     """A collective that timed out or lost its peer, or ranks that did not all join, become
@@ -305,10 +313,7 @@ def explain_collective_failure(trainer: L.Trainer) -> Iterator[None]:
         yield
     except ProcessExitedException as error:  # ddp_spawn's launching process: a rank's process died
         how = f"by {error.signal_name}" if error.signal_name else f"with exit code {error.exit_code}"
-        message = (
-            f"rank {error.error_index}'s process ended {how} without an error of its own (killed, or "
-            f"out of host memory?): {resume_overrides()} resumes from the last periodic or epoch save"
-        )
+        message = rank_lost(error.error_index, how)
         log.error(f"error: {message}")
         raise job_end(message, 3) from None
     except RuntimeError as error:
