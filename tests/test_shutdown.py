@@ -1,7 +1,6 @@
 """A multi-process run that breaks the collective rules, or gets a signal while stuck,
 ends: with one line naming the rank and the hook, and no process left behind."""
 
-import logging
 import os
 import re
 import signal
@@ -24,6 +23,7 @@ from navit_lightning.utils.shutdown import (
     RequeueRequested,
     StopTogetherOnSigterm,
     descendants,
+    killed_ranks,
     requeue_when_asked,
 )
 from tests.conftest import DDP_TWO_RANKS, REPO, TINY_RUN, free_port, on_two_gloo_ranks, run_whole
@@ -318,17 +318,17 @@ def test_the_launching_process_ending_stops_the_ranks_that_outlive_its_grace():
             process.wait()
 
 
-def test_a_rank_killed_without_a_word_is_named_by_the_launching_process(caplog):
+def test_a_rank_killed_without_a_word_is_named_by_the_launching_process():
     """Under ddp rank 0 said only that another rank stopped during a collective; ddp_spawn's
     launching process named the rank and its signal."""
     killed = subprocess.Popen(["sh", "-c", "kill -9 $$"])
     failed = subprocess.Popen(["sh", "-c", "exit 2"])  # its own error is in its output
     for process in (killed, failed):
         process.wait(timeout=30)
-    observer = _JobRankObserver([failed, killed], in_sweep=True)
-    with caplog.at_level(logging.ERROR):
-        observer._terminate_all()
-    assert caplog.messages == [
-        "error: rank 2's process ended by SIGKILL without an error of its own (killed, or out of host "
+    launcher = SimpleNamespace(procs=[failed, killed])
+    trainer = SimpleNamespace(strategy=SimpleNamespace(launcher=launcher), node_rank=1, num_devices=3)
+    assert killed_ranks(trainer) == [
+        "rank 5's process ended by SIGKILL without an error of its own (killed, or out of host "
         f"memory?): {resume_overrides()} resumes from the last periodic or epoch save"
     ]
+    assert killed_ranks(SimpleNamespace(strategy=SimpleNamespace(), node_rank=0, num_devices=1)) == []

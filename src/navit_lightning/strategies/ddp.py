@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import logging.config
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -56,9 +55,7 @@ import __main__
 from navit_lightning.errors import ConfigError
 from navit_lightning.utils.entry_point import refusal, tidy_lightning_output
 from navit_lightning.utils.launch import in_sweep, quiet_overrides, torchrun_agent_store
-from navit_lightning.utils.shutdown import end_promptly_on_signals, rank_lost
-
-log = logging.getLogger(__name__)
+from navit_lightning.utils.shutdown import end_promptly_on_signals
 
 # Hydra settings a rank's command sets below, in place of the parent's (hydra.mode=MULTIRUN
 # in a sweep's job)
@@ -130,9 +127,6 @@ class _JobRankObserver(_ChildProcessObserver):
         self._in_sweep = in_sweep
 
     def _terminate_all(self) -> None:
-        for rank, process in enumerate(self._child_processes, start=1):
-            if process.returncode is not None and process.returncode < 0:  # said nothing itself
-                log.error("error: %s", rank_lost(rank, f"by {signal.Signals(-process.returncode).name}"))
         for process in self._child_processes:
             process.send_signal(self._termination_signal)
         if not self._in_sweep:

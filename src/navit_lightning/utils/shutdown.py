@@ -305,6 +305,18 @@ def rank_lost(rank: int, how: str) -> str:
     )
 
 
+def killed_ranks(trainer: L.Trainer) -> list[str]:
+    """A line for each rank that strategy=ddp's launching process started and a signal ended
+    (SIGKILL: out of host memory?), which said nothing of it; ddp_spawn's launcher names them."""
+    started = getattr(getattr(trainer.strategy, "launcher", None), "procs", [])
+    first = trainer.node_rank * trainer.num_devices + 1
+    return [
+        rank_lost(rank, f"by {signal.Signals(-process.returncode).name}")
+        for rank, process in enumerate(started, start=first)
+        if (process.poll() or 0) < 0
+    ]
+
+
 @contextmanager
 def explain_collective_failure(trainer: L.Trainer) -> Iterator[None]:
     """A collective that timed out or lost its peer, or ranks that did not all join, become
@@ -345,4 +357,6 @@ def explain_collective_failure(trainer: L.Trainer) -> Iterator[None]:
             why = f"another rank stopped during a collective in {hook} (its error, if it had one, is above)"
         message = f"rank {trainer.global_rank}: {why}"
         log.error(f"error: {message}")
+        for line in killed_ranks(trainer):
+            log.error(f"error: {line}")
         raise job_end(message, 3) from None
