@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 import torch
 from einops import rearrange
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from PIL import Image, ImageOps
 
 from navit_lightning.batch import PackedShape
 from navit_lightning.data import folder
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.data.folder import ImageFolder, split_images, warn_unreadable
-from navit_lightning.data.index import index_folder
+from navit_lightning.data.index import index_folder, read_size
 from navit_lightning.data.packing import PackCollate
 from navit_lightning.data.sampler import SizePolicy
 from navit_lightning.data.transforms import image_to_sample, to_rgb, upright_size
@@ -111,6 +112,17 @@ def test_every_mode_becomes_8_bit_rgb(image, pixel):
 def test_wide_grey_values_past_16_bits_or_the_unit_range_keep_their_range(values):
     rgb = np.asarray(to_rgb(Image.fromarray(values.reshape(4, 4))))[..., 0].flatten()
     assert rgb[0] == 0 and rgb[-1] == 255 and (np.diff(rgb.astype(int)) > 0).all()
+
+
+def test_floats_in_the_unit_range_stay_in_it_with_a_rounding_below_0_or_a_nan():
+    """One pixel at -1e-6 (a resampling's rounding) stretched the image to its own range."""
+    values = np.linspace(0, 0.8, 16, dtype=np.float32).reshape(4, 4)
+    expected = np.asarray(to_rgb(Image.fromarray(values)))
+    assert expected.max() == 204
+    for odd in (-1e-6, np.nan):
+        changed = values.copy()
+        changed[0, 0] = odd
+        assert np.array_equal(np.asarray(to_rgb(Image.fromarray(changed))), expected)
 
 
 def test_a_16_bit_pngs_transparent_grey_becomes_white_and_only_it():
@@ -272,11 +284,17 @@ def test_images_past_data_max_image_pixels_are_left_out_by_name_and_pillows_guar
     assert kept[5000]["predict"] == 4 and kept[None]["predict"] == 5
     assert kept[5000]["train"] + kept[5000]["val"] == 4 and kept[None]["train"] + kept[None]["val"] == 5
     wide = tmp_path / "images" / "a" / "wide.png"
-    reason = "100 x 60 = 6,000 pixels, over data.max_image_pixels=5,000: raise it (or null) to read it"
-    assert caplog.text.count(f"skipping {wide}: not a readable image ({reason})") == 2
+    reason = (
+        "100 x 60 = 6,000 pixels, over data.max_image_pixels=5,000: raise it, or set it to null, to read it"
+    )
+    assert caplog.text.count(f"skipping {wide}: not a readable image ({reason} (eval.py and predict.py") == 2
     save(Image.new("1", (20_000, 10_000)), tmp_path / "scan.png")  # 200 MP, 1 bit a pixel
-    with Image.open(tmp_path / "scan.png") as image:
-        assert upright_size(image) == (10_000, 20_000)
+    assert read_size(str(tmp_path / "scan.png")) == (10_000, 20_000)
+    with pytest.raises(Image.DecompressionBombError):  # Pillow's guard lifted for the project alone
+        Image.open(tmp_path / "scan.png").close()
+    # a format that decodes whole as it opens (an ICO of a 40000-pixel square PNG took 1.8 GB)
+    Image.new("RGB", (16, 16)).save(tmp_path / "icon.png", format="ICO")
+    assert "cannot identify image file" in read_size(str(tmp_path / "icon.png"))
 
 
 def test_a_split_folder_of_empty_class_folders_says_it_holds_no_images(tmp_path):
@@ -605,7 +623,7 @@ def test_unreadable_images_are_warned_once_per_counted_epoch_at_its_number_and_n
         images=SimpleNamespace(labels=np.array([0, 0])),
     )
     trainer = SimpleNamespace(
-        strategy=SimpleNamespace(root_device=torch.device("cpu")),
+        strategy=SimpleNamespace(root_device=torch.device("cpu"), reduce=lambda tensor, reduce_op: tensor),
         datamodule=SimpleNamespace(datasets={"train": dataset, "val": dataset}),
         loggers=[],
         current_epoch=3,
@@ -699,27 +717,34 @@ def failing_class_trainer(failed: dict[str, list[int]]) -> SimpleNamespace:
             datasets={name: split(indices) for name, indices in failed.items()},
             class_names=lambda: ["a", "b"],
         ),
-        strategy=SimpleNamespace(root_device=torch.device("cpu")),
+        # DDPStrategy.reduce's: an all_reduce where a process group is up
+        strategy=SimpleNamespace(
+            root_device=torch.device("cpu"),
+            reduce=lambda tensor, reduce_op: _sync_ddp_if_available(tensor, reduce_op=reduce_op),
+        ),
         callback_metrics={"train/unreadable_images": torch.tensor(1.0)},
     )
 
 
 def refused_class(rank: int, failed_on_ranks: list[dict[str, list[int]]]) -> str | None:
     try:
-        UnreadableImageReport._refuse_classes_never_decoded(failing_class_trainer(failed_on_ranks[rank]))
+        UnreadableImageReport()._refuse_classes_never_decoded(failing_class_trainer(failed_on_ranks[rank]))
     except DataError as error:
         return str(error)
     return None
 
 
 def test_a_class_whose_every_image_fails_to_decode_on_whichever_rank_stops_the_run():
-    """Its images were named and counted each epoch, and the run trained (or scored val/acc)
-    around the class. Each rank fails the images it is dealt: their union decides, on both."""
+    """Its images were named and counted each epoch, and the run trained around the class (a
+    val class is warned of, as one without images in the val split is). Each rank fails the
+    images it is dealt: their union decides, on both."""
     assert refused_class(0, [{"train": [0, 2], "val": [1]}]) is None
-    assert refused_class(0, [{"train": [1], "val": [2, 3]}]) == (
-        "val: every image of class b (2) failed to decode (named above), and the run scored val/acc "
-        "around it: restore them or remove the class folder, then train again"
-    )
+    report, trainer = UnreadableImageReport(), failing_class_trainer({"train": [1], "val": [2, 3]})
+    with pytest.warns(
+        UserWarning, match=r"^val: every image of class b \(2\) failed to decode .* says nothing"
+    ):
+        report._refuse_classes_never_decoded(trainer)
+    report._refuse_classes_never_decoded(trainer)  # once: the warning is not repeated every epoch
     dealt = [{"train": [0], "val": []}, {"train": [1], "val": [3]}]
     assert [refused_class(rank, dealt) for rank in (0, 1)] == [None, None]  # each rank's alone
     said = refused_class(0, [{"train": [0, 1], "val": []}])
@@ -761,9 +786,9 @@ def test_a_ddp_run_whose_training_images_of_a_class_all_fail_to_decode_stops_on_
     output = result.stdout + result.stderr
     assert result.returncode == 2, output[-3000:]
     errors = set(re.findall(r"error: (.*)", output))  # the same line from each rank
-    assert errors == {
+    assert len(errors) == 1 and errors.pop().startswith(
         "train: every image of class a (12) failed to decode (named above), and the run trained around "
-        "it: restore them or remove the class folder, then train again"
-    }
+        "it: restore them and resume (ckpt_path=last hydra.run.dir="
+    )
     assert "train epoch 0: skipped 12 images that could not be decoded" in output
     assert "Traceback" not in output

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
-from PIL import Image
 from torch.utils.data import Dataset
 
 from navit_lightning.data.index import (
@@ -31,7 +30,7 @@ from navit_lightning.data.index import (
 )
 from navit_lightning.data.packing import ImageSample
 from navit_lightning.data.sampler import SampleKey
-from navit_lightning.data.transforms import drop_tokens, image_to_sample
+from navit_lightning.data.transforms import drop_tokens, image_to_sample, opened
 from navit_lightning.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -385,7 +384,8 @@ def within_pixels(images: Images, max_pixels: int | None) -> tuple[Images, Unrea
         (
             Path(images.name(row)),
             f"{images.sizes[row, 1]} x {images.sizes[row, 0]} = {pixels[row]:,} pixels, over "
-            f"data.max_image_pixels={max_pixels:,}: raise it (or null) to read it",
+            f"data.max_image_pixels={max_pixels:,}: raise it, or set it to null, to read it "
+            "(eval.py and predict.py take +data.max_image_pixels=...)",
         )
         for row in np.flatnonzero(pixels > max_pixels).tolist()
     ]
@@ -442,7 +442,7 @@ class ImageFolder(Dataset):
         # Random choices from the key's seed, not the worker's state (see SizePolicy.keys).
         mirror = mirrored(key.seed, self.hflip)
         try:
-            with self.images.open(index) as file, Image.open(file) as image:
+            with self.images.open(index) as file, opened(file) as image:
                 sample = image_to_sample(
                     image, int(self.images.labels[index]), self.patch_size, key.max_patches, mirror
                 )
@@ -473,7 +473,7 @@ class ImageFolder(Dataset):
         """What decoding the file in full says, as ` (<error>)`; the loader's decode may have
         failed at a reduced size only."""
         try:
-            with self.images.open(index) as file, Image.open(file) as image:
+            with self.images.open(index) as file, opened(file) as image:
                 image.load()
         except UNREADABLE as error:
             return f" ({error})"

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from navit_lightning.data.transforms import upright_size
+from navit_lightning.data.transforms import opened, upright_size
 from navit_lightning.data.workers import map_with_progress, usable_cores
 from navit_lightning.errors import DataError
 
@@ -246,7 +246,7 @@ def list_image_files(root: Path, others: Counter[str] | None = None) -> tuple[li
 def read_size(path: str) -> tuple[int, int] | str:
     """The upright (height, width) from the file's header, or why it cannot be read."""
     try:
-        with Image.open(path) as image:
+        with opened(path) as image:
             return upright_size(image)
     except UNREADABLE as error:
         return str(error) or type(error).__name__

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import IO
 
 import numpy as np
 import torch
@@ -12,13 +13,28 @@ from PIL import Image
 
 from navit_lightning.data.packing import ImageSample
 
-# Every image's size is checked from its header against data.max_image_pixels
-# (folder.within_pixels), which names each file it leaves out. Pillow's own guard refused
-# images over 179 MP in every process that opens images, and warned of those over 89 MP
-# without naming the file, once in each loader worker.
-Image.MAX_IMAGE_PIXELS = None
-# Pillow's guard, as it was: the largest image it opened (twice its MAX_IMAGE_PIXELS)
+# Pillow's guard against decompression bombs: the largest image it opens (twice its
+# MAX_IMAGE_PIXELS), data.max_image_pixels's default
 PILLOW_MAX_PIXELS = 178_956_970
+# Pillow's formats of the files taken for images (index.IMAGE_SUFFIXES): the others (ICO,
+# ICNS, ...) decode whole as they open, a 194 KB file named .png into 1.8 GB
+IMAGE_FORMATS = ("PNG", "JPEG", "BMP", "GIF", "TIFF", "WEBP", "AVIF", "PPM")
+
+
+@contextlib.contextmanager
+def opened(file: str | IO[bytes]) -> Iterator[Image.Image]:
+    """The image in `file`, one of IMAGE_FORMATS, opened and decoded inside the block at any
+    size: how large an image may be is data.max_image_pixels, checked from the header before
+    any decode (folder.within_pixels), which names each file it leaves out. Pillow's own guard
+    refused images over 179 MP with no setting to read them, and warned of those over 89 MP
+    without naming the file, once in each loader worker."""
+    guard, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+    try:
+        with Image.open(file, formats=IMAGE_FORMATS) as image:
+            yield image
+    finally:
+        Image.MAX_IMAGE_PIXELS = guard
+
 
 ORIENTATION_TAG = 0x0112
 # EXIF orientation -> the transpose that turns the stored pixels upright; 5..8 swap the sides
@@ -106,20 +122,27 @@ def fit_grid(height: int, width: int, patch_size: int, max_patches: int) -> tupl
     return int(grid_h[0]), int(grid_w[0])
 
 
+# how far outside [0, 1] or [0, 255] float values may lie, relatively, and still be read in it
+FLOAT_ROUNDING = 1e-3
 WIDE_GREY_MODES = {"I", "I;16", "I;16B", "I;16L", "I;16N", "F"}
 
 
 def grey_scaling(image: Image.Image) -> tuple[float, float]:
     """(offset, factor): (value - offset) * factor takes a wide grey image ("I" or "F") to 8
-    bits. Whole numbers as 16 bits, floats in [0, 1] or [0, 255] as such; other values (signed,
-    32-bit, wide floats, which those would clip to black or white) by the image's own range."""
-    low, high = image.getextrema()
-    if image.mode == "I" and low >= 0 and high <= 65535:
-        return 0.0, 1 / 256
-    if image.mode == "F" and low >= 0 and high <= 1:
-        return 0.0, 255.0
-    if image.mode == "F" and low >= 0 and high <= 255:
-        return 0.0, 1.0
+    bits. Whole numbers as 16 bits, floats in [0, 1] or [0, 255] as such (a resampling's
+    rounding just outside them clipped); other values (signed, 32-bit, wide floats, which those
+    would clip to black or white) by the range of the image's finite values."""
+    if image.mode == "I":
+        low, high = image.getextrema()
+        if low >= 0 and high <= 65535:
+            return 0.0, 1 / 256
+    else:
+        values = np.asarray(image)
+        finite = values[np.isfinite(values)]
+        low, high = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 0.0)
+        for top in (1.0, 255.0):
+            if -FLOAT_ROUNDING * top <= low and high <= (1 + FLOAT_ROUNDING) * top:
+                return 0.0, 255 / top
     return low, 255 / max(high - low, 1e-12)
 
 

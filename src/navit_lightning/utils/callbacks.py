@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ThroughputMonitor, WeightAveraging
 from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from navit_lightning.errors import ConfigError, DataError, is_whole
 from navit_lightning.utils.host_memory import keep_freed_memory
@@ -165,7 +165,8 @@ class PackedThroughputMonitor(ThroughputMonitor):
 # run would hang (it did: UnreadableImageReport reduced its count in on_train_epoch_end).
 # So: counts across ranks go through `pl_module.log(..., sync_dist=True, reduce_fx=...)`
 # from batch hooks, and Lightning orders their reduction with the others; a collective of
-# our own runs only where no epoch metric is left to compute (on_train_end).
+# our own runs only where no epoch metric is left to compute (on_train_epoch_start for the
+# epoch before, on_train_end).
 
 
 class RankStepReport(L.Callback):
@@ -198,10 +199,13 @@ class UnreadableImageReport(L.Callback):
     and a sweep took the 0.0 for the trial's score. A validation stops it before its
     checkpoint is saved (the checks run before ModelCheckpoint's hooks of the same name:
     Lightning puts checkpoint callbacks last); a training epoch, once its metrics are
-    reduced, at the next epoch's start."""
+    reduced, at the next epoch's start. So does a class whose every training image has failed
+    to decode (the run trained around it); one whose every validation image has is warned of,
+    as a class with none in the val split is."""
 
     def __init__(self) -> None:
         self.epoch: dict[str, int] = {}  # the epoch each stage last counted
+        self._unscored: set[str] = set()  # the val classes warned of
 
     @staticmethod
     def monitorable_metrics() -> set[str]:
@@ -287,19 +291,15 @@ class UnreadableImageReport(L.Callback):
         if stage == "train" and failed + self._total(trainer, "val/unreadable_images"):
             self._refuse_classes_never_decoded(trainer)
 
-    @staticmethod
-    def _refuse_classes_never_decoded(trainer: L.Trainer) -> None:
-        """Stops a run where every training or validation image of a class has failed to
-        decode (on whichever rank each was dealt to): it trained, or scored val/acc, around the
-        class. One all_reduce of a byte an image, on every rank alike (the reduced counts that
-        call it are equal on all of them), where no epoch metric is left to compute."""
+    def _refuse_classes_never_decoded(self, trainer: L.Trainer) -> None:
+        """The classes whose every training or validation image has failed to decode, on
+        whichever rank each was dealt to: one reduce of an int an image, on every rank alike
+        (the reduced counts that call it are equal on all of them)."""
         datasets = trainer.datamodule.datasets
         splits = [split for split in ("train", "val") if split in datasets]
         failed = torch.from_numpy(np.concatenate([datasets[split].failed() for split in splits]))
-        failed = failed.to(torch.uint8).to(trainer.strategy.root_device)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
-        failed = failed.bool().cpu().numpy()
+        failed = trainer.strategy.reduce(failed.int().to(trainer.strategy.root_device), reduce_op="sum")
+        failed = (failed > 0).cpu().numpy()
         start = 0
         for split in splits:
             labels = datasets[split].images.labels
@@ -307,14 +307,22 @@ class UnreadableImageReport(L.Callback):
             counts = np.bincount(labels)
             failing = np.bincount(labels[split_failed], minlength=len(counts))
             never = np.flatnonzero((counts > 0) & (failing == counts))
-            if len(never):
-                names = trainer.datamodule.class_names()
-                classes = ", ".join(f"{names[label]} ({counts[label]})" for label in never[:5])
-                around = "trained" if split == "train" else "scored val/acc"
+            if not len(never):
+                continue
+            names = trainer.datamodule.class_names()
+            classes = ", ".join(f"{names[label]} ({counts[label]})" for label in never[:5])
+            classes += ", ..." if len(never) > 5 else ""
+            if split == "train":
                 raise DataError(
-                    f"{split}: every image of class {classes}{', ...' if len(never) > 5 else ''} failed "
-                    f"to decode (named above), and the run {around} around it: restore them or remove "
-                    "the class folder, then train again"
+                    f"train: every image of class {classes} failed to decode (named above), and the "
+                    f"run trained around it: restore them and resume ({resume_overrides()}), or remove "
+                    "the class folder and train anew"
+                )
+            if classes not in self._unscored:
+                self._unscored.add(classes)
+                rank_zero_warn(
+                    f"val: every image of class {classes} failed to decode (named above): val/acc "
+                    "says nothing of it; restore them"
                 )
 
     @staticmethod
