@@ -188,16 +188,21 @@ def test_a_run_folder_in_use_by_another_run_is_refused_and_free_once_it_ends(mon
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         evaluation = compose("eval", [f"hydra.run.dir={tmp_path / 'run'}"], return_hydra_config=True)
     (tmp_path / "run" / ".hydra").mkdir()
-    OmegaConf.save(cfg, tmp_path / "run" / ".hydra" / "config.yaml")
+    OmegaConf.save({"hydra": cfg.hydra}, tmp_path / "run" / ".hydra" / "hydra.yaml")
     with pytest.raises(SystemExit):
         launch.UniqueRunFolder().on_run_start(evaluation)
     assert capsys.readouterr().err == (
-        f"error: hydra.run.dir={tmp_path / 'run'} holds a train run, whose .hydra/ and results eval "
-        f"would write over: give it a folder of its own, e.g. hydra.run.dir={tmp_path / 'run' / 'eval'}\n"
+        f"error: hydra.run.dir={tmp_path / 'run'} holds a run of train.py, whose .hydra/ and results "
+        "eval.py would write over: give it a folder of its own, e.g. "
+        f"hydra.run.dir={tmp_path / 'run' / 'eval'}\n"
     )
-    resumed = launch.UniqueRunFolder()  # a training run in its own folder: a resume
-    resumed.on_run_start(cfg)
-    resumed.on_run_end(cfg)
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):  # task_name=debug
+        debugged = compose(
+            "train", [f"hydra.run.dir={tmp_path / 'run'}", "debug=limit"], return_hydra_config=True
+        )
+    resumed = launch.UniqueRunFolder()  # a training run in its own folder, whatever its task_name: a resume
+    resumed.on_run_start(debugged)
+    resumed.on_run_end(debugged)
     # a sweep's job, in its folder, as a run in its own: a run given that folder is refused
     with open_dict(cfg), read_write(cfg):
         cfg.hydra.mode, cfg.hydra.runtime.output_dir = RunMode.MULTIRUN, str(tmp_path / "sweep" / "0")

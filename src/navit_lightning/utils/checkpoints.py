@@ -671,7 +671,8 @@ def data_for(cfg: DictConfig, run: DictConfig, given: Collection[str] = ()) -> D
     merged = OmegaConf.merge(run.data, chosen)
     if group:  # the run's own datamodule, derived from the group's, takes the run's settings
         merged._target_ = derived
-    if "max_patches" in chosen and is_count(merged.max_patches) and merged.max_patches > merged.row_len:
+    lengthened = "max_patches" in chosen and "row_len" not in chosen
+    if lengthened and is_count(merged.max_patches) and merged.max_patches > merged.row_len:
         # an evaluation's rows hold one image at any size (the datamodule lengthens them); a
         # max_patches past row_len is refused of the training rows
         merged.row_len = merged.max_patches

@@ -171,7 +171,7 @@ class UniqueRunFolder(Callback):
         if is_first_process():
             folder = Path(config.hydra.run.dir)
             if given:
-                refuse_another_tasks_folder(folder, config.hydra.output_subdir, config.task_name)
+                refuse_another_tasks_folder(folder, config.hydra.output_subdir, config.hydra.job.config_name)
             self.lock = FolderLock(folder)
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -261,19 +261,19 @@ def refuse_run_folder(folder: Path, why: str, setting: str = "hydra.run.dir") ->
     raise SystemExit(2)
 
 
-def refuse_another_tasks_folder(folder: Path, output_subdir: str | None, task: str) -> None:
-    """Refuses a folder whose saved config is of another task's run (task_name)."""
-    saved = folder / (output_subdir or ".hydra") / "config.yaml"
+def refuse_another_tasks_folder(folder: Path, output_subdir: str | None, script: str) -> None:
+    """Refuses a folder of a run of another entry point (its saved hydra.job.config_name: train,
+    eval, predict); a run of its own, whatever its task_name (debug=limit's is debug), resumes."""
+    saved = folder / (output_subdir or ".hydra") / "hydra.yaml"
     try:
-        run = OmegaConf.load(saved)
+        owner = OmegaConf.select(OmegaConf.load(saved), "hydra.job.config_name")
     except Exception:  # none, or not a config (OSError, YAML's errors): nothing of a run to keep
         return
-    owner = run.get("task_name") if isinstance(run, DictConfig) else None
-    if owner is not None and owner != task:
+    if owner is not None and owner != script:
         refuse_run_folder(
             folder,
-            f"holds a {owner} run, whose .hydra/ and results {task} would write over: give it a "
-            f"folder of its own, e.g. hydra.run.dir={folder / task}",
+            f"holds a run of {owner}.py, whose .hydra/ and results {script}.py would write over: give "
+            f"it a folder of its own, e.g. hydra.run.dir={folder / script}",
         )
 
 
