@@ -6,6 +6,8 @@ import signal
 
 import lightning as L
 
+from navit_lightning.utils.shutdown import descendants
+
 
 class InterruptAtStep(L.Callback):
     """At the start of global step `step`'s batch number `batch` (0, the first; with
@@ -13,7 +15,8 @@ class InterruptAtStep(L.Callback):
     (`how=error`), or on the last rank alone (`how=error_on_last_rank`: one GPU out of
     memory); send the last rank's process SIGTERM (`how=sigterm`: what a cluster's scheduler
     sends before it stops a job, and which reaches the ranks at different moments, here the
-    other ranks never), or SIGUSR1 (`how=sigusr1`: SLURM's warning before a time limit); or
+    other ranks never), or SIGUSR1 (`how=sigusr1`: SLURM's warning before a time limit; to
+    the process and every process it started, `how=sigusr1_to_all`, as SLURM sends it); or
     send every rank's process SIGKILL (`how=sigkill`, a node lost: nothing runs after it);
     or ask the trainer to stop after that batch (`how=should_stop`, as trainer.max_time does).
     Under torchrun, `attempt` N: in its N-th restart of the workers only (0: the first start)."""
@@ -39,6 +42,9 @@ class InterruptAtStep(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.how in ("sigterm", "sigusr1") and last_rank:
             os.kill(os.getpid(), signal.SIGTERM if self.how == "sigterm" else signal.SIGUSR1)
+        elif self.how == "sigusr1_to_all" and last_rank:
+            for pid in [os.getpid(), *descendants(os.getpid())]:
+                os.kill(pid, signal.SIGUSR1)
 
 
 class InterruptAfterStep(L.Callback):

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import suppress
+from multiprocessing import resource_tracker
 from multiprocessing.context import BaseContext
 from typing import TypeVar
 
@@ -31,6 +32,20 @@ WORKER_MODULES = [
     "navit_lightning.data.packing",
     "navit_lightning.data.workers",
 ]
+
+
+# What a scheduler sends every process of a job: SIGTERM to stop it (scancel, a preemption,
+# systemd, `timeout`), SIGUSR1 or SIGUSR2 to have it save and be requeued (SLURM's
+# --signal=USR1@90, Lightning's recipe; submitit's USR2). The training processes handle them
+# (utils/shutdown.py); a loader process that died of one failed the rank's next batch, and a
+# ddp run ended on that error without saving, where its training processes stop together
+# before a step and save last.ckpt.
+JOB_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def ignore_job_signals() -> None:
+    for signum in JOB_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def usable_cores() -> int:
@@ -56,7 +71,15 @@ def forkserver_preload() -> list[str]:
 
 
 def start_context(method: str | None) -> BaseContext:
-    """The multiprocessing context of `method` (None: the platform's default)."""
+    """The multiprocessing context of `method` (None: the platform's default), its resource
+    tracker deaf to JOB_SIGNALS: it ignores SIGINT and SIGTERM alone, died of SIGUSR1 sent
+    to every process of the job, and each shared-memory block the loaders freed then printed
+    a KeyError traceback. It keeps the signals blocked that it started with."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     context = multiprocessing.get_context(method)
     if method == "forkserver":
         context.set_forkserver_preload(forkserver_preload())
@@ -87,11 +110,8 @@ def _kill_daemonic_children() -> None:
 
 def loader_worker_init(pid: int, worker_id: int) -> None:
     """A DataLoader `worker_init_fn` (bind `pid`, the training process, with functools.partial).
-    The worker ignores SIGTERM: a scheduler's stop (scancel, a preemption, systemd, `timeout`)
-    signals every process of the job, and workers that died at once failed the rank's next
-    batch, so that a ddp run ended on that error without saving, where its training processes
-    stop together before a step and save last.ckpt. It ends with the training process."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    The worker ignores JOB_SIGNALS, and ends with the training process."""
+    ignore_job_signals()
     exit_with_process(pid)
 
 
