@@ -728,7 +728,7 @@ def failing_class_trainer(failed: dict[str, list[int]]) -> SimpleNamespace:
 
 def refused_class(rank: int, failed_on_ranks: list[dict[str, list[int]]]) -> str | None:
     try:
-        UnreadableImageReport()._refuse_classes_never_decoded(failing_class_trainer(failed_on_ranks[rank]))
+        UnreadableImageReport()._check_classes_never_decoded(failing_class_trainer(failed_on_ranks[rank]))
     except DataError as error:
         return str(error)
     return None
@@ -743,8 +743,8 @@ def test_a_class_whose_every_image_fails_to_decode_on_whichever_rank_stops_the_r
     with pytest.warns(
         UserWarning, match=r"^val: every image of class b \(2\) failed to decode .* says nothing"
     ):
-        report._refuse_classes_never_decoded(trainer)
-    report._refuse_classes_never_decoded(trainer)  # once: the warning is not repeated every epoch
+        report._check_classes_never_decoded(trainer)
+    report._check_classes_never_decoded(trainer)  # once: the warning is not repeated every epoch
     dealt = [{"train": [0], "val": []}, {"train": [1], "val": [3]}]
     assert [refused_class(rank, dealt) for rank in (0, 1)] == [None, None]  # each rank's alone
     said = refused_class(0, [{"train": [0, 1], "val": []}])

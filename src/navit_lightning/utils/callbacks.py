@@ -289,9 +289,9 @@ class UnreadableImageReport(L.Callback):
                 f"the images under {trainer.datamodule.root} are gone or damaged; restore them and {again}"
             )
         if stage == "train" and failed + self._total(trainer, "val/unreadable_images"):
-            self._refuse_classes_never_decoded(trainer)
+            self._check_classes_never_decoded(trainer)
 
-    def _refuse_classes_never_decoded(self, trainer: L.Trainer) -> None:
+    def _check_classes_never_decoded(self, trainer: L.Trainer) -> None:
         """The classes whose every training or validation image has failed to decode, on
         whichever rank each was dealt to: one reduce of an int an image, on every rank alike
         (the reduced counts that call it are equal on all of them)."""
