@@ -162,7 +162,8 @@ def test_a_run_folder_in_use_by_another_run_is_refused_and_free_once_it_ends(mon
         "LOCAL_RANK",
     ):
         monkeypatch.delenv(name, raising=False)
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    # job_name: the script's, as Hydra names a job run from train.py
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name="train"):
         cfg = compose("train", [f"hydra.run.dir={tmp_path / 'run'}"], return_hydra_config=True)
     first = launch.UniqueRunFolder()
     first.on_run_start(cfg)
@@ -185,7 +186,7 @@ def test_a_run_folder_in_use_by_another_run_is_refused_and_free_once_it_ends(mon
     assert (tmp_path / "run" / ".run.lock").read_text() == str(os.getpid())
     second.on_run_end(cfg)
     # a folder of another task's run: eval.py wrote over the training run's .hydra/ and csv
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name="eval"):
         evaluation = compose("eval", [f"hydra.run.dir={tmp_path / 'run'}"], return_hydra_config=True)
     (tmp_path / "run" / ".hydra").mkdir()
     OmegaConf.save({"hydra": cfg.hydra}, tmp_path / "run" / ".hydra" / "hydra.yaml")
@@ -196,11 +197,23 @@ def test_a_run_folder_in_use_by_another_run_is_refused_and_free_once_it_ends(mon
         "eval.py would write over: give it a folder of its own, e.g. "
         f"hydra.run.dir={tmp_path / 'run' / 'eval'}\n"
     )
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):  # task_name=debug
-        debugged = compose(
+    # a training sweep's folder given to eval.py -m: its jobs' .hydra/ written over
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name="eval"):
+        sweep = compose("eval", [f"hydra.sweep.dir={tmp_path / 'run'}"], return_hydra_config=True)
+    OmegaConf.save({"hydra": cfg.hydra}, tmp_path / "run" / "multirun.yaml")
+    with pytest.raises(SystemExit):
+        launch.UniqueRunFolder().on_multirun_start(sweep)
+    assert capsys.readouterr().err.startswith(
+        f"error: hydra.sweep.dir={tmp_path / 'run'} holds a run of train.py, whose .hydra/"
+    )
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3", job_name="train"):
+        debugged = compose(  # task_name=debug
             "train", [f"hydra.run.dir={tmp_path / 'run'}", "debug=limit"], return_hydra_config=True
         )
-    resumed = launch.UniqueRunFolder()  # a training run in its own folder, whatever its task_name: a resume
+    started = OmegaConf.load(tmp_path / "run" / ".hydra" / "hydra.yaml")
+    started.hydra.job.config_name = "mytrain"  # train.py --config-name mytrain
+    OmegaConf.save(started, tmp_path / "run" / ".hydra" / "hydra.yaml")
+    resumed = launch.UniqueRunFolder()  # a run of train.py, whatever its task_name or config: a resume
     resumed.on_run_start(debugged)
     resumed.on_run_end(debugged)
     # a sweep's job, in its folder, as a run in its own: a run given that folder is refused

@@ -1,6 +1,7 @@
 """A multi-process run that breaks the collective rules, or gets a signal while stuck,
 ends: with one line naming the rank and the hook, and no process left behind."""
 
+import atexit
 import os
 import re
 import signal
@@ -13,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from navit_lightning.strategies.ddp import _JobRankObserver, end_processes
+from navit_lightning.strategies.ddp import _HydraJobLauncher, _JobRankObserver, end_processes
 from navit_lightning.utils.launch import resume_overrides
 from navit_lightning.utils.shutdown import (
     GRACE_S,
@@ -297,6 +298,22 @@ def test_a_failed_rank_ends_the_launching_process_after_the_grace_outside_a_swee
         launching.kill()
         other_rank.wait()
         launching.wait()
+
+
+def test_ranks_are_stopped_at_the_launching_processs_exit_after_a_failed_stage_only(monkeypatch):
+    """After a run that went well a rank still writing its last files is left to finish."""
+    registered = []
+    monkeypatch.setattr(atexit, "register", lambda *call: registered.append(call))
+    environment = SimpleNamespace(creates_processes_externally=True, validate_settings=lambda **_: None)
+    launcher = _HydraJobLauncher(environment, num_processes=2, num_nodes=1)
+    assert launcher.launch(lambda: "fitted") == "fitted" and registered == []
+
+    def failed_stage():
+        raise RuntimeError("a collective timed out")
+
+    with pytest.raises(RuntimeError):
+        launcher.launch(failed_stage)
+    assert registered == [(end_processes, launcher.procs, launcher.grace_s)]
 
 
 def test_the_launching_process_ending_stops_the_ranks_that_outlive_its_grace():

@@ -95,21 +95,25 @@ def hydra_job_command(local_rank: int) -> tuple[list[str], str]:
 
 
 class _HydraJobLauncher(subprocess_script._SubprocessScriptLauncher):
-    """Ranks 1.. end with the launching process, which waits `grace_s` for them to end of
-    their own first: a rank stuck outside any collective (a loader worker hung on a file
-    system that stopped answering) outlived its rank 0, which had ended on the collective it
-    never entered, for good, holding its GPU and its loader processes."""
+    """Where a stage failed in the launching process, ranks 1.. end with it, `grace_s` after
+    its exit to end of their own first: a rank stuck outside any collective (a loader worker
+    hung on a file system that stopped answering) outlived its rank 0, which had ended on the
+    collective it never entered, for good, holding its GPU and its loader processes. After a
+    run that went well they finish their own work, as under torchrun."""
 
     grace_s = 30.0
 
     def launch(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
         with mock.patch.object(subprocess_script, "_launch_process_observer", _observe_job_ranks):
-            return super().launch(function, *args, **kwargs)
+            try:
+                return super().launch(function, *args, **kwargs)
+            except BaseException:
+                atexit.register(end_processes, self.procs, self.grace_s)
+                raise
 
     def _call_children_scripts(self) -> None:
         with mock.patch.object(subprocess_script, "_hydra_subprocess_cmd", hydra_job_command):
             super()._call_children_scripts()
-        atexit.register(end_processes, self.procs, self.grace_s)
 
 
 class _JobRankObserver(_ChildProcessObserver):

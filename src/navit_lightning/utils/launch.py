@@ -9,7 +9,6 @@ on its own: without this, each would name a folder by its own clock and append t
 from __future__ import annotations
 
 import atexit
-import errno
 import fcntl
 import logging
 import os
@@ -25,6 +24,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, read_write
+
+from navit_lightning.errors import space_advice
 
 # Appended to the command line of every process but the first: no second .hydra folder, no
 # second writer of the job's log file, <job name>.log (the handler stays configured, but
@@ -171,7 +172,8 @@ class UniqueRunFolder(Callback):
         if is_first_process():
             folder = Path(config.hydra.run.dir)
             if given:
-                refuse_another_tasks_folder(folder, config.hydra.output_subdir, config.hydra.job.config_name)
+                saved = folder / (config.hydra.output_subdir or ".hydra") / "hydra.yaml"
+                refuse_another_scripts_folder(folder, saved, config.hydra.job.name)
             self.lock = FolderLock(folder)
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -190,6 +192,11 @@ class UniqueRunFolder(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         clock_named = "${run_stamp:" in OmegaConf.to_container(config.hydra.sweep, resolve=False)["dir"]
+        if not clock_named and is_first_process():  # eval.py -m into a training sweep's folder
+            folder = Path(config.hydra.sweep.dir)
+            refuse_another_scripts_folder(
+                folder, folder / "multirun.yaml", config.hydra.job.name, "hydra.sweep.dir"
+            )
         if clock_named and external_launch_rank() is None:
             claim_folder(config.hydra.sweep, "hydra.sweep.dir")
             # the launcher composes each job's config again from the overrides
@@ -238,10 +245,9 @@ class FolderLock:
                 self.file = file
             else:  # its holder removed it as we opened it: lock the one there now
                 file.close()
-        try:
-            self.file.truncate(0)
-            self.file.write(str(os.getpid()))
-            self.file.flush()
+        try:  # unbuffered: a full disk fails here, not again in close()
+            os.ftruncate(self.file.fileno(), 0)
+            os.pwrite(self.file.fileno(), str(os.getpid()).encode(), 0)
         except OSError as error:  # a full disk: Hydra's traceback when it saved the config
             self.file.close()
             refuse_unwritable(folder, error)
@@ -261,25 +267,28 @@ def refuse_run_folder(folder: Path, why: str, setting: str = "hydra.run.dir") ->
     raise SystemExit(2)
 
 
-def refuse_another_tasks_folder(folder: Path, output_subdir: str | None, script: str) -> None:
-    """Refuses a folder of a run of another entry point (its saved hydra.job.config_name: train,
-    eval, predict); a run of its own, whatever its task_name (debug=limit's is debug), resumes."""
-    saved = folder / (output_subdir or ".hydra") / "hydra.yaml"
+def refuse_another_scripts_folder(
+    folder: Path, saved: Path, script: str, setting: str = "hydra.run.dir"
+) -> None:
+    """Refuses a folder of a run or sweep of another entry point (the hydra.job.name in its
+    `saved` config, the script's: train, eval, predict); one of its own, whatever its
+    task_name (debug=limit's is debug) or config (--config-name), resumes."""
     try:
-        owner = OmegaConf.select(OmegaConf.load(saved), "hydra.job.config_name")
+        owner = OmegaConf.select(OmegaConf.load(saved), "hydra.job.name")
     except Exception:  # none, or not a config (OSError, YAML's errors): nothing of a run to keep
         return
     if owner is not None and owner != script:
         refuse_run_folder(
             folder,
             f"holds a run of {owner}.py, whose .hydra/ and results {script}.py would write over: give "
-            f"it a folder of its own, e.g. hydra.run.dir={folder / script}",
+            f"it a folder of its own, e.g. {setting}={folder / script}",
+            setting,
         )
 
 
 def refuse_unwritable(folder: Path, error: OSError, setting: str = "hydra.run.dir") -> NoReturn:
-    fix = "free space there, or give" if error.errno == errno.ENOSPC else "give"
-    why = f"cannot be written ({error.strerror}): {fix} paths.log_dir or {setting} a writable folder"
+    fix = f"{space_advice(error)}give paths.log_dir or {setting} a writable folder"
+    why = f"cannot be written ({error.strerror}): {fix}"
     refuse_run_folder(folder, why, setting)
 
 
