@@ -4,6 +4,7 @@ counted, and a root that cannot train is refused with one line."""
 import io
 import logging
 import re
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,7 +22,7 @@ from navit_lightning.data.folder import ImageFolder, split_images, warn_unreadab
 from navit_lightning.data.index import index_folder, read_size
 from navit_lightning.data.packing import PackCollate
 from navit_lightning.data.sampler import SizePolicy
-from navit_lightning.data.transforms import image_to_sample, to_rgb, upright_size
+from navit_lightning.data.transforms import image_to_sample, opened, to_rgb, upright_size
 from navit_lightning.errors import DataError
 from navit_lightning.utils.callbacks import UnreadableImageReport
 from tests.conftest import TINY_TRAINING, on_two_gloo_ranks, run_folder
@@ -123,6 +124,8 @@ def test_floats_in_the_unit_range_stay_in_it_with_a_rounding_below_0_or_a_nan():
         changed = values.copy()
         changed[0, 0] = odd
         assert np.array_equal(np.asarray(to_rgb(Image.fromarray(changed))), expected)
+    flat = to_rgb(Image.fromarray(np.full((4, 4), 300.0, dtype=np.float32)))  # no range: mid-grey
+    assert set(np.asarray(flat).flatten()) == {127}
 
 
 def test_a_16_bit_pngs_transparent_grey_becomes_white_and_only_it():
@@ -263,7 +266,7 @@ def test_files_that_pillows_plugins_fail_on_otherwise_are_skipped_too(tmp_path):
 
 
 def test_images_past_data_max_image_pixels_are_left_out_by_name_and_pillows_guard_is_not_in_the_way(
-    tmp_path, caplog
+    tmp_path, caplog, monkeypatch
 ):
     """Pillow refused images over 179 MP as "could be decompression bomb DOS attack", with no
     setting to read them, and warned of those over 89 MP naming no file, once per worker."""
@@ -292,9 +295,14 @@ def test_images_past_data_max_image_pixels_are_left_out_by_name_and_pillows_guar
     assert read_size(str(tmp_path / "scan.png")) == (10_000, 20_000)
     with pytest.raises(Image.DecompressionBombError):  # Pillow's guard lifted for the project alone
         Image.open(tmp_path / "scan.png").close()
-    # a format that decodes whole as it opens (an ICO of a 40000-pixel square PNG took 1.8 GB)
+    # another format under an image's name: some decode whole as they open (an ICO of a
+    # 40000-pixel square PNG took 1.8 GB), within Pillow's guard (here 2 x 100 pixels)
     Image.new("RGB", (16, 16)).save(tmp_path / "icon.png", format="ICO")
-    assert "cannot identify image file" in read_size(str(tmp_path / "icon.png"))
+    Image.new("RGB", (16, 16)).save(tmp_path / "small.png")
+    assert read_size(str(tmp_path / "icon.png")) == (16, 16)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    assert "could be decompression bomb" in read_size(str(tmp_path / "icon.png"))
+    assert read_size(str(tmp_path / "small.png")) == (16, 16)
 
 
 def test_a_split_folder_of_empty_class_folders_says_it_holds_no_images(tmp_path):
@@ -310,6 +318,35 @@ def test_a_split_folder_of_empty_class_folders_says_it_holds_no_images(tmp_path)
         DataError, match=rf"^{re.escape(str(tmp_path / 'test'))} holds no images: put them in its"
     ):
         datamodule.setup("fit")
+
+
+def test_pillows_guard_stays_lifted_while_any_thread_decodes_and_comes_back_after_the_last(tmp_path):
+    """One thread leaving put it back under another's decode, which the other then lifted for
+    good, for the whole process."""
+    save(Image.new("RGB", (8, 8)), tmp_path / "a.png")
+    guard = Image.MAX_IMAGE_PIXELS
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def first() -> None:
+        with opened(str(tmp_path / "a.png")):
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    def second() -> None:
+        first_in.wait(10)
+        with opened(str(tmp_path / "a.png")):
+            second_in.set()
+            first_out.wait(10)
+            seen["inside"] = Image.MAX_IMAGE_PIXELS
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert seen == {"inside": None} and guard == Image.MAX_IMAGE_PIXELS
 
 
 def test_refused_roots_say_what_to_fix(tmp_path, monkeypatch):

@@ -1,6 +1,7 @@
 """Errors that name a bad setting or input and its fix: the entry points print them as one
 line and exit with code 2 (utils/entry_point.refuse_bad_input)."""
 
+import errno
 import shutil
 from numbers import Integral, Real
 from pathlib import Path
@@ -57,6 +58,13 @@ def require_flags(prefix: str, **settings: bool) -> None:
     for name, value in settings.items():
         if not isinstance(value, bool):
             raise ConfigError(f"{prefix}.{name}={value} must be true or false")
+
+
+def space_advice(error: BaseException) -> str:
+    """ "free space there, or " where `error` is a full disk (or a quota; torch's writer raises
+    a RuntimeError without an errno there), else nothing: no space to free for a read-only one."""
+    full = getattr(error, "errno", errno.ENOSPC) in (errno.ENOSPC, errno.EDQUOT, None)
+    return "free space there, or " if full else ""
 
 
 def free_space(path: Path) -> str:

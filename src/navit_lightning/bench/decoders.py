@@ -41,7 +41,7 @@ from PIL import Image, ImageDraw
 from navit_lightning.bench import at_least_one
 from navit_lightning.data.folder import image_files_under
 from navit_lightning.data.packing import ImageSample
-from navit_lightning.data.transforms import ORIENTATION_TAG, JpegDecoder, image_to_sample
+from navit_lightning.data.transforms import ORIENTATION_TAG, JpegDecoder, image_to_sample, opened
 
 PATCH_SIZE = 16
 CAMERA_SIZES = [(320, 240), (640, 480), (800, 600), (1024, 768), (1280, 720), (1280, 960)]
@@ -145,7 +145,7 @@ def jpegs_under(folder: Path, count: int) -> tuple[list[Path], int]:
         if path.suffix.lower() not in {".jpg", ".jpeg"}:
             continue
         try:
-            with Image.open(path) as image:
+            with opened(str(path)) as image:
                 readable = image.format == "JPEG"
         except OSError:
             readable = False
@@ -159,7 +159,7 @@ def jpegs_under(folder: Path, count: int) -> tuple[list[Path], int]:
 def make_samples(paths: list[Path], max_patches: int, decoder: JpegDecoder | None) -> list[ImageSample]:
     samples = []
     for path in paths:
-        with Image.open(path) as image:
+        with opened(str(path)) as image:  # as training decodes it, at any size
             samples.append(image_to_sample(image, 0, PATCH_SIZE, max_patches, True, decoder))
     return samples
 

@@ -385,7 +385,7 @@ def within_pixels(images: Images, max_pixels: int | None) -> tuple[Images, Unrea
             Path(images.name(row)),
             f"{images.sizes[row, 1]} x {images.sizes[row, 0]} = {pixels[row]:,} pixels, over "
             f"data.max_image_pixels={max_pixels:,}: raise it, or set it to null, to read it "
-            "(eval.py and predict.py take +data.max_image_pixels=...)",
+            "(eval.py and predict.py: +data.max_image_pixels=<pixels>)",
         )
         for row in np.flatnonzero(pixels > max_pixels).tolist()
     ]

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from PIL import Image, ImageDraw
 
 from navit_lightning.data.workers import map_with_progress
-from navit_lightning.errors import ConfigError, DataError, free_space, is_whole, require_counts
+from navit_lightning.errors import ConfigError, DataError, free_space, is_whole, require_counts, space_advice
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ def _write_set(root: Path, spec: ShapesSpec, workers: int) -> None:
     except OSError as error:  # a full disk: Pillow's and the pool's chained tracebacks, naming nothing
         raise DataError(
             f"the built-in data set cannot be written in {root} ({error.strerror or error}; "
-            f"{free_space(root / 'train')}): free space there, or give paths.data_dir=<another folder>"
+            f"{free_space(root / 'train')}): {space_advice(error)}give paths.data_dir=<another folder>"
         ) from None
     marker.write_text(json.dumps(finished_marker(spec)))
     started.unlink()

@@ -3,37 +3,74 @@
 from __future__ import annotations
 
 import contextlib
+import math
+import threading
 from collections.abc import Callable, Iterator
 from typing import IO
 
 import numpy as np
 import torch
 from einops import rearrange
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 from navit_lightning.data.packing import ImageSample
 
 # Pillow's guard against decompression bombs: the largest image it opens (twice its
 # MAX_IMAGE_PIXELS), data.max_image_pixels's default
 PILLOW_MAX_PIXELS = 178_956_970
-# Pillow's formats of the files taken for images (index.IMAGE_SUFFIXES): the others (ICO,
-# ICNS, ...) decode whole as they open, a 194 KB file named .png into 1.8 GB
+# Pillow's formats of the files taken for images (index.IMAGE_SUFFIXES), which it opens
+# from their header alone
 IMAGE_FORMATS = ("PNG", "JPEG", "BMP", "GIF", "TIFF", "WEBP", "AVIF", "PPM")
 
 
 @contextlib.contextmanager
 def opened(file: str | IO[bytes]) -> Iterator[Image.Image]:
-    """The image in `file`, one of IMAGE_FORMATS, opened and decoded inside the block at any
+    """The image in `file`, opened and decoded inside the block. One of IMAGE_FORMATS at any
     size: how large an image may be is data.max_image_pixels, checked from the header before
-    any decode (folder.within_pixels), which names each file it leaves out. Pillow's own guard
+    any decode (folder.within_pixels), which names each file it leaves out; Pillow's own guard
     refused images over 179 MP with no setting to read them, and warned of those over 89 MP
-    without naming the file, once in each loader worker."""
-    guard, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+    without naming the file, once in each loader worker. Another format under an image's
+    name (a JPEG 2000 named .jpg) within Pillow's guard: some decode whole as they open, an
+    ICO named .png of 194 KB into 1.8 GB."""
     try:
-        with Image.open(file, formats=IMAGE_FORMATS) as image:
+        with _at_any_size():
+            image = Image.open(file, formats=IMAGE_FORMATS)
+    except UnidentifiedImageError:
+        if not isinstance(file, str):
+            file.seek(0)
+        with Image.open(file) as image:
             yield image
-    finally:
-        Image.MAX_IMAGE_PIXELS = guard
+        return
+    with _at_any_size(), image:
+        yield image
+
+
+class _PillowGuard:
+    """Pillow's size guard (Image.MAX_IMAGE_PIXELS, one setting for the process), lifted while
+    any thread is inside `lifted()` and restored as the last one leaves: a thread that left
+    first put it back under another's decode, and the other then lifted it for good."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._inside = 0
+        self._kept: int | None = None
+
+    @contextlib.contextmanager
+    def lifted(self) -> Iterator[None]:
+        with self._lock:
+            if not self._inside:
+                self._kept, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+            self._inside += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inside -= 1
+                if not self._inside:
+                    Image.MAX_IMAGE_PIXELS = self._kept
+
+
+_at_any_size = _PillowGuard().lifted
 
 
 ORIENTATION_TAG = 0x0112
@@ -137,13 +174,17 @@ def grey_scaling(image: Image.Image) -> tuple[float, float]:
         if low >= 0 and high <= 65535:
             return 0.0, 1 / 256
     else:
-        values = np.asarray(image)
-        finite = values[np.isfinite(values)]
-        low, high = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 0.0)
+        low, high = image.getextrema()
+        if not (math.isfinite(low) and math.isfinite(high)):  # NaN or inf in it: read without them
+            values = np.asarray(image)
+            finite = values[np.isfinite(values)]
+            low, high = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 0.0)
         for top in (1.0, 255.0):
             if -FLOAT_ROUNDING * top <= low and high <= (1 + FLOAT_ROUNDING) * top:
                 return 0.0, 255 / top
-    return low, 255 / max(high - low, 1e-12)
+    if high == low:  # one value outside those: no range to scale by
+        return low - 127.5, 1.0
+    return low, 255 / (high - low)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:

@@ -3,7 +3,6 @@ a run starts from one; and what eval.py and predict.py rebuild from one."""
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import warnings
@@ -25,7 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from navit_lightning.errors import ConfigError, OutputError, free_space, is_count
+from navit_lightning.errors import ConfigError, OutputError, free_space, is_count, space_advice
 from navit_lightning.utils.instantiate import (
     absolute_path,
     dotted_settings,
@@ -71,10 +70,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             why = (
                 getattr(error, "strerror", None) or f"{str(error).rsplit('] . ', 1)[-1]}; {free_space(path)}"
             )
-            full = getattr(error, "errno", errno.ENOSPC) in (errno.ENOSPC, errno.EDQUOT, None)
             raise OutputError(
-                f"checkpoint {path} cannot be written ({why}): {'free space there, or ' if full else ''}"
-                f"resume in a writable hydra.run.dir; the {path.name} saved before, if any, is whole"
+                f"checkpoint {path} cannot be written ({why}): {space_advice(error)}resume in a "
+                f"writable hydra.run.dir; the {path.name} saved before, if any, is whole"
             ) from None
         finally:
             with suppress(OSError):  # its folder may be what failed
