@@ -180,7 +180,9 @@ def test_a_wandb_loggers_folder_is_where_ddp_spawns_ranks_write_its_run(monkeypa
 def test_debug_limit_runs_a_few_batches_of_each_stage(run_entry_point):
     counted = "+callbacks.count._target_=tests.interruptions.CountEvaluatedBatches"
     result = run_entry_point("train.py", "debug=limit", *TINY_RUN, counted)
-    planned = console_count(result, r"train: (\d+) batches per epoch")
+    planned = console_count(
+        result, r"train: 5 batches per epoch of the (\d+) planned \(limit_train_batches=5\)"
+    )
     assert trained_batches(result) == 5 < planned
     assert console_count(result, r"validation batches: (\d+)") == 2
     assert console_count(result, r"test batches: (\d+)") == 2

@@ -32,17 +32,19 @@ def opened(file: str | IO[bytes]) -> Iterator[Image.Image]:
     without naming the file, once in each loader worker. Another format under an image's
     name (a JPEG 2000 named .jpg) within Pillow's guard: some decode whole as they open, an
     ICO named .png of 194 KB into 1.8 GB."""
-    try:
-        with _at_any_size():
-            image = Image.open(file, formats=IMAGE_FORMATS)
-    except UnidentifiedImageError:
-        if not isinstance(file, str):
+    with contextlib.ExitStack() as stack:
+        if isinstance(file, str):  # opened once for both tries
+            file = stack.enter_context(open(file, "rb"))
+        try:
+            with _at_any_size():
+                image = Image.open(file, formats=IMAGE_FORMATS)
+            size_guard: contextlib.AbstractContextManager = _at_any_size()
+        except UnidentifiedImageError:
             file.seek(0)
-        with Image.open(file) as image:
+            image = Image.open(file)
+            size_guard = contextlib.nullcontext()
+        with size_guard, image:
             yield image
-        return
-    with _at_any_size(), image:
-        yield image
 
 
 class _PillowGuard:
