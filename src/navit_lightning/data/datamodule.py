@@ -293,12 +293,15 @@ class PackedImageDataModule(L.LightningDataModule):
             return
         classes = self.class_names()
         manifest, layout = self._manifest()
-        splits, loose, files = {}, {}, {}
+        splits, loose = {}, {}
         for split, folder in layout.items():
             images, unreadable, loose[folder] = split_images(manifest, self.root, folder, classes)
+            if not len(images.labels) and not unreadable:  # class folders, all empty
+                raise DataError(
+                    f"{self.root / folder} holds no images: put them in its class folders, or remove it"
+                )
             splits[split], too_large = within_pixels(images, self.max_image_pixels)
             unreadable += too_large
-            files[split] = len(images.labels) + len(unreadable)
             warn_unreadable_on_rank_zero(unreadable)
             if unreadable:
                 rank_zero_warn(
@@ -322,10 +325,6 @@ class PackedImageDataModule(L.LightningDataModule):
                     "them; give those classes more images, or a val/ folder"
                 )
         for name, images in splits.items():
-            if not files.get(name, 1):  # class folders, all empty
-                raise DataError(
-                    f"{self.root / layout[name]} holds no images: put them in its class folders, or remove it"
-                )
             if not len(images.labels):
                 raise DataError(f"no readable images for the {name} split under {self.root}")
         if not self.evaluate_all:

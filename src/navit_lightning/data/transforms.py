@@ -171,12 +171,11 @@ def grey_scaling(image: Image.Image) -> tuple[float, float]:
     bits. Whole numbers as 16 bits, floats in [0, 1] or [0, 255] as such (a resampling's
     rounding just outside them clipped); other values (signed, 32-bit, wide floats, which those
     would clip to black or white) by the range of the image's finite values."""
+    low, high = image.getextrema()
     if image.mode == "I":
-        low, high = image.getextrema()
         if low >= 0 and high <= 65535:
             return 0.0, 1 / 256
     else:
-        low, high = image.getextrema()
         if not (math.isfinite(low) and math.isfinite(high)):  # NaN or inf in it: read without them
             values = np.asarray(image)
             finite = values[np.isfinite(values)]
