@@ -21,6 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 
 from navit_lightning.data import shapes
 from navit_lightning.utils.shutdown import descendants
+from tests.zygote import RunServer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_SPEC = shapes.ShapesSpec(num_train=192, num_val=48, num_test=48, max_side=160)
@@ -46,6 +47,8 @@ TINY_TRAINING = [
     "trainer.log_every_n_steps=1",
 ]
 TINY_RUN = TINY_SHAPES + TINY_TRAINING
+# Runs forked from a server that has imported their libraries (tests/zygote.py): 0 for new processes.
+FORKED_RUNS = os.environ.get("NAVIT_TESTS_FORKED_RUNS", "1") != "0"
 # Two ddp ranks on the CPU, as the README runs them on a laptop.
 DDP_TWO_RANKS = ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2"]
 
@@ -166,10 +169,18 @@ def project_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def run_server() -> Iterator[RunServer]:
+    server = RunServer()
+    yield server
+    server.close()
+
+
 @pytest.fixture
-def run_entry_point(project_root: Path, tmp_path: Path):
-    """Run train.py or eval.py in a subprocess with logs under a fresh PROJECT_ROOT, from
-    there unless `cwd` is given."""
+def run_entry_point(project_root: Path, tmp_path: Path, run_server: RunServer):
+    """Run train.py, eval.py or predict.py with logs under a fresh PROJECT_ROOT, from there
+    unless `cwd` is given: forked from run_server (tests/zygote.py) unless a `launcher` or
+    `fresh_process` asks for a new process, or NAVIT_TESTS_FORKED_RUNS=0 for every run."""
     (tmp_path / "data").symlink_to(project_root / "data")
 
     def run(
@@ -177,14 +188,16 @@ def run_entry_point(project_root: Path, tmp_path: Path):
         *overrides: str,
         check: bool = True,
         launcher: tuple[str, ...] = (sys.executable,),
+        fresh_process: bool = False,
         timeout: float = 300,
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
     ) -> subprocess.CompletedProcess:
         env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "HYDRA_FULL_ERROR": "1", **(env or {})}
-        result = run_whole(
-            [*launcher, str(REPO / script), *overrides], cwd=cwd or tmp_path, env=env, timeout=timeout
-        )
+        command = [*launcher, str(REPO / script), *overrides]
+        forked = launcher == (sys.executable,) and not fresh_process and FORKED_RUNS
+        start = run_server.run if forked else run_whole
+        result = start(command, cwd=cwd or tmp_path, env=env, timeout=timeout)
         assert result.returncode == 0 or not check, (
             f"{script} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
         )

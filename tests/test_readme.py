@@ -31,7 +31,8 @@ NEEDS_CUDA = ("strategy=dp", "model.net.attention=flex", "trainer.sync_batchnorm
 
 def readme_commands(text: str) -> list[str]:
     """The command lines of the README's indented code blocks: continuation lines joined,
-    comments dropped, only lines that start a program (after VAR=value assignments)."""
+    comments dropped, only lines that start a program (after VAR=value assignments), each
+    once (the README repeats some where they are used)."""
     commands, pending = [], ""
     for line in text.splitlines():
         if not line.startswith("    ") or not line.strip():
@@ -46,7 +47,7 @@ def readme_commands(text: str) -> list[str]:
         program = next((w for w in line.split() if "=" not in w), "")
         if program.startswith(PROGRAMS):
             commands.append(line)
-    return commands
+    return list(dict.fromkeys(commands))
 
 
 COMMANDS = readme_commands((REPO / "README.md").read_text())
