@@ -63,9 +63,7 @@ def test_a_forked_run_is_the_scripts_own_process(run_server, tmp_path, how):
 
 def test_a_run_past_its_timeout_is_killed_and_the_next_run_gets_a_new_server(run_server, tmp_path):
     script = tmp_path / "script.py"
-    script.write_text(
-        "import os, sys, time\nprint(os.getpid(), flush=True)\ntime.sleep(int(sys.argv[1]))\n"
-    )
+    script.write_text("import os, sys, time\nprint(os.getpid(), flush=True)\ntime.sleep(int(sys.argv[1]))\n")
     command = [sys.executable, str(script)]
     with pytest.raises(subprocess.TimeoutExpired):
         run_server.run([*command, "600"], cwd=tmp_path, env=dict(os.environ), timeout=3)

@@ -93,7 +93,9 @@ class RunServer:
             self.server.kill()
 
 
-def read_until_closed(out: int, err: int, deadline: float, command: list[str], timeout: float) -> tuple[str, str]:
+def read_until_closed(
+    out: int, err: int, deadline: float, command: list[str], timeout: float
+) -> tuple[str, str]:
     """Everything written to the pipes `out` and `err` until every writer has closed them."""
     chunks: dict[int, list[bytes]] = {out: [], err: []}
     with selectors.DefaultSelector() as selector:
