@@ -18,6 +18,7 @@ import torch
 
 from tests.conftest import REPO, TINY_RUN, TINY_SET, TINY_SHAPES, free_port, run_folder, run_whole
 from tests.test_entry_points import assert_sane_rates, assert_written_once_by_rank_zero
+from tests.zygote import RunServer
 
 pytestmark = pytest.mark.slow
 
@@ -146,11 +147,18 @@ def as_run_here(command: str, run: str, images: Path) -> tuple[str, Path | None]
 
 
 @pytest.fixture(scope="module")
-def readme_root(project_root: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """A project root with the tiny data and one finished run (the README's <run>)."""
+def readme_root(
+    project_root: Path, tmp_path_factory: pytest.TempPathFactory, run_server: RunServer
+) -> tuple[Path, str]:
+    """A project root with the tiny data and one finished run (the README's <run>), forked
+    (tests/zygote.py): the README's own commands run as new processes."""
     root = tmp_path_factory.mktemp("readme")
     (root / "data").symlink_to(project_root / "data")
-    shell(f"python {REPO}/train.py {shlex.join(SHRINK_TRAINING)}", root, root)
+    env = {**os.environ, "PROJECT_ROOT": str(root), "HYDRA_FULL_ERROR": "1"}
+    trained = run_server.run(
+        [sys.executable, str(REPO / "train.py"), *SHRINK_TRAINING], cwd=root, env=env, timeout=540
+    )
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     run = run_folder(root).name
     return root, run
 
