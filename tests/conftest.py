@@ -178,10 +178,16 @@ def run_server() -> Iterator[RunServer]:
 
 @pytest.fixture
 def run_entry_point(project_root: Path, tmp_path: Path, run_server: RunServer):
-    """Run train.py, eval.py or predict.py with logs under a fresh PROJECT_ROOT, from there
-    unless `cwd` is given: forked from run_server (tests/zygote.py) unless a `launcher` or
-    `fresh_process` asks for a new process, or NAVIT_TESTS_FORKED_RUNS=0 for every run."""
+    """entry_point_runner for a fresh PROJECT_ROOT holding the tiny shapes set."""
     (tmp_path / "data").symlink_to(project_root / "data")
+    return entry_point_runner(tmp_path, run_server)
+
+
+def entry_point_runner(root: Path, server: RunServer):
+    """A function that runs train.py, eval.py or predict.py with logs under PROJECT_ROOT
+    `root`, from there unless `cwd` is given: forked from `server` (tests/zygote.py) unless a
+    `launcher` or `fresh_process` asks for a new process, or NAVIT_TESTS_FORKED_RUNS=0 for
+    every run."""
 
     def run(
         script: str,
@@ -193,15 +199,15 @@ def run_entry_point(project_root: Path, tmp_path: Path, run_server: RunServer):
         env: dict[str, str] | None = None,
         cwd: Path | None = None,
     ) -> subprocess.CompletedProcess:
-        env = {**os.environ, "PROJECT_ROOT": str(tmp_path), "HYDRA_FULL_ERROR": "1", **(env or {})}
+        env = {**os.environ, "PROJECT_ROOT": str(root), "HYDRA_FULL_ERROR": "1", **(env or {})}
         command = [*launcher, str(REPO / script), *overrides]
         forked = launcher == (sys.executable,) and not fresh_process and FORKED_RUNS
-        start = run_server.run if forked else run_whole
-        result = start(command, cwd=cwd or tmp_path, env=env, timeout=timeout)
+        start = server.run if forked else run_whole
+        result = start(command, cwd=cwd or root, env=env, timeout=timeout)
         assert result.returncode == 0 or not check, (
             f"{script} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
         )
         return result
 
-    run.root = tmp_path
+    run.root = root
     return run

@@ -16,7 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, TINY_RUN, TINY_SET, TINY_SHAPES, free_port, run_folder, run_whole
+from tests.conftest import (
+    REPO,
+    TINY_RUN,
+    TINY_SET,
+    TINY_SHAPES,
+    entry_point_runner,
+    free_port,
+    run_folder,
+    run_whole,
+)
 from tests.test_entry_points import assert_sane_rates, assert_written_once_by_rank_zero
 from tests.zygote import RunServer
 
@@ -154,11 +163,7 @@ def readme_root(
     (tests/zygote.py): the README's own commands run as new processes."""
     root = tmp_path_factory.mktemp("readme")
     (root / "data").symlink_to(project_root / "data")
-    env = {**os.environ, "PROJECT_ROOT": str(root), "HYDRA_FULL_ERROR": "1"}
-    trained = run_server.run(
-        [sys.executable, str(REPO / "train.py"), *SHRINK_TRAINING], cwd=root, env=env, timeout=540
-    )
-    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    entry_point_runner(root, run_server)("train.py", *SHRINK_TRAINING, timeout=540)
     run = run_folder(root).name
     return root, run
 

@@ -140,14 +140,10 @@ def serve(connection: socket.socket) -> None:
         connection.sendall(json.dumps(pid).encode())
         _, status = os.waitpid(pid, 0)
         try:
-            connection.sendall(json.dumps(exit_code(status)).encode())
+            # Popen.returncode's form: -N for death by signal N
+            connection.sendall(json.dumps(os.waitstatus_to_exitcode(status)).encode())
         except BrokenPipeError:  # the run timed out: the test has closed this server
             return
-
-
-def exit_code(status: int) -> int:
-    """Popen.returncode's form: -N for death by signal N."""
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
 def become_the_run(request: dict, stdout: int, stderr: int) -> None:
