@@ -1,3 +1,4 @@
+import gc
 import logging
 import multiprocessing
 import os
@@ -556,6 +557,23 @@ def test_loader_workers_live_on_from_epoch_to_epoch(project_root):
     assert len(later) == 1, later
     (running,) = later
     assert len(running) >= 2  # a train and a val worker
+
+
+def test_a_dropped_datamodule_ends_its_loaders_workers_at_once(project_root):
+    """As a notebook drops one and makes another. Its training loader held it: the cycle was
+    left to the garbage collector, which finalized the loader's queues before the loader and so
+    broke torch's shutdown of the persistent workers (10 s a worker, then left running)."""
+    datamodule = shapes_datamodule(project_root, num_workers=1)
+    datamodule.setup("fit")
+    loader = datamodule.train_dataloader()
+    next(iter(loader))
+    (worker,) = loader._iterator._workers
+    gc.disable()  # the collector's pass would come at any time, or never
+    try:
+        del datamodule, loader
+        assert not worker.is_alive()
+    finally:
+        gc.enable()
 
 
 def test_training_images_are_mirrored_as_their_key_seed_draws_and_evaluation_images_never(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -466,10 +467,14 @@ class PackedImageDataModule(L.LightningDataModule):
             persistent_workers=keep_workers and workers > 0,
         )
         if split == "train":
+            # This datamodule held weakly: held by its loader, the two made a cycle, which the
+            # garbage collector ended in an order that broke torch's shutdown of the workers
+            # (each waited for 10 s, then left running).
+            datamodule = weakref.proxy(self)
             return TrainLoader(
                 self.datasets[split],
-                batches_done=self._train_batches_done,
-                epochs_ended=self._train_epochs_ended,
+                batches_done=lambda: datamodule._train_batches_done(),
+                epochs_ended=lambda: datamodule._train_epochs_ended(),
                 **options,
             )
         return NamingLoader(self.datasets[split], **options)
