@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -574,6 +575,14 @@ def test_a_dropped_datamodule_ends_its_loaders_workers_at_once(project_root):
         assert not worker.is_alive()
     finally:
         gc.enable()
+    # and a loader that outlives its datamodule still says where its epoch is
+    datamodules = [shapes_datamodule(project_root, num_workers=0) for _ in range(2)]
+    for datamodule in datamodules:
+        datamodule.setup("fit")
+    kept, outliving = (datamodule.train_dataloader() for datamodule in datamodules)
+    gone = weakref.ref(datamodules.pop())
+    del datamodule
+    assert gone() is None and outliving.state_dict() == kept.state_dict()
 
 
 def test_training_images_are_mirrored_as_their_key_seed_draws_and_evaluation_images_never(tmp_path):

@@ -52,6 +52,15 @@ EFFECTIVE_BATCH_METRICS = ("effective_batch/tokens", "effective_batch/images")
 warn_unreadable_on_rank_zero = rank_zero_only(warn_unreadable)
 
 
+def held_weakly(method: Callable[[], Any], gone: Any) -> Callable[[], Any]:
+    """`method` of a datamodule its loader holds, without keeping the datamodule alive; `gone`
+    once it is (a datamodule no trainer held, so none was attached: what `method` gave). Held
+    strongly, the two made a cycle, which the garbage collector ended in an order that broke
+    torch's shutdown of the loader's persistent workers (10 s a worker, then left running)."""
+    reference = weakref.WeakMethod(method)
+    return lambda: gone if (bound := reference()) is None else bound()
+
+
 class NamingLoader(DataLoader):
     """A loader of an ImageFolder that names each file failing to decode in this process, as
     the batches come (ImageFolder.name_new_failures), whatever the callbacks."""
@@ -467,14 +476,10 @@ class PackedImageDataModule(L.LightningDataModule):
             persistent_workers=keep_workers and workers > 0,
         )
         if split == "train":
-            # This datamodule held weakly: held by its loader, the two made a cycle, which the
-            # garbage collector ended in an order that broke torch's shutdown of the workers
-            # (each waited for 10 s, then left running).
-            datamodule = weakref.proxy(self)
             return TrainLoader(
                 self.datasets[split],
-                batches_done=lambda: datamodule._train_batches_done(),
-                epochs_ended=lambda: datamodule._train_epochs_ended(),
+                batches_done=held_weakly(self._train_batches_done, 0),
+                epochs_ended=held_weakly(self._train_epochs_ended, 0),
                 **options,
             )
         return NamingLoader(self.datasets[split], **options)
