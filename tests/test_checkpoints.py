@@ -23,12 +23,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loops.progress import _BatchProgress, _ProcessedTracker, _Progress
 from lightning.pytorch.trainer.states import TrainerFn
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from navit_lightning import CONFIG_DIR
 from navit_lightning.data.datamodule import PackedImageDataModule
 from navit_lightning.errors import ConfigError, DataError, OutputError
-from navit_lightning.train import resume_from
+from navit_lightning.train import build, resume_from
 from navit_lightning.utils.checkpoints import (
     AtomicCheckpointIO,
     BestCheckpoint,
@@ -46,6 +46,7 @@ from navit_lightning.utils.checkpoints import (
 from navit_lightning.utils.entry_point import refusal
 from navit_lightning.utils.instantiate import absolute_path
 from tests.conftest import DDP_TWO_RANKS, TINY_RUN, TINY_SHAPES, bare_trainer, logged_scalars
+from tests.interruptions import InterruptAtStep
 
 
 @pytest.mark.parametrize("task", ["eval", "predict"])
@@ -850,6 +851,26 @@ def test_a_run_that_ended_within_an_epoch_resumes_exactly(run_entry_point):
             s for s in validated[1] if s >= saved_at
         ]
         assert len(set(validated[1])) == len(validated[1]), validated[1]
+
+
+def test_an_error_in_a_notebooks_fit_is_the_error_reported_with_the_save_it_left(
+    project_root, tmp_path, caplog
+):
+    """A config composed as notebooks/ composes it has no run folder of Hydra's (@hydra.main
+    sets it): the line saying how to resume read it, and the notebook got
+    MissingMandatoryValue (hydra.runtime.output_dir) over its own error, and no teardown."""
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("train", overrides=[*TINY_RUN, "logger=csv"], return_hydra_config=True)
+    HydraConfig().set_config(cfg)
+    with open_dict(cfg):
+        del cfg.hydra
+        cfg.paths.data_dir = str(project_root / "data")
+        cfg.paths.output_dir = str(tmp_path / "run")
+    datamodule, model, trainer = build(cfg, [InterruptAtStep(step=2, how="error")])
+    with caplog.at_level(logging.INFO), pytest.raises(RuntimeError, match="at step 2 on purpose"):
+        trainer.fit(model, datamodule=datamodule)
+    assert "stopped at step 2 (RuntimeError)" in caplog.text and "ckpt_path=last resumes" in caplog.text
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
 
 
 @pytest.mark.slow

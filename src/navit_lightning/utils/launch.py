@@ -69,11 +69,16 @@ def in_sweep() -> bool:
 def resume_overrides() -> str:
     """What resumes this run from its last checkpoint: ckpt_path=last alone starts a new
     run folder, and finds none there."""
-    if not HydraConfig.initialized():
+    # a config composed in a notebook (compose(), then HydraConfig.set_config) has no run
+    # folder of Hydra's: reading it raised MissingMandatoryValue over the error being reported
+    output_dir = (
+        OmegaConf.select(HydraConfig.get(), "runtime.output_dir") if HydraConfig.initialized() else None
+    )
+    if output_dir is None:
         return "ckpt_path=last"
     if in_sweep():
         return f"ckpt_path=last hydra.sweep.dir={shlex.quote(HydraConfig.get().sweep.dir)} added to the sweep"
-    return f"ckpt_path=last hydra.run.dir={shlex.quote(HydraConfig.get().runtime.output_dir)}"
+    return f"ckpt_path=last hydra.run.dir={shlex.quote(output_dir)}"
 
 
 def quiet_rank_overrides() -> list[str]:
