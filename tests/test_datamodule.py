@@ -585,6 +585,22 @@ def test_a_dropped_datamodule_ends_its_loaders_workers_at_once(project_root):
     assert gone() is None and outliving.state_dict() == kept.state_dict()
 
 
+def test_an_interrupted_pass_leaves_the_loaders_workers_to_the_next_one(project_root):
+    """Ctrl-C and a notebook's interrupt signal every process of the group, the loader's
+    workers too: one that died of it broke the datamodule's persistent loader for every pass
+    after ("DataLoader worker exited unexpectedly")."""
+    datamodule = shapes_datamodule(project_root, num_workers=1)
+    datamodule.setup("fit")
+    loader = datamodule.train_dataloader()
+    batches = iter(loader)
+    next(batches)
+    (worker,) = loader._iterator._workers
+    os.kill(worker.pid, signal.SIGINT)
+    worker.join(timeout=1)  # time to die of it
+    del batches  # as the interrupted loop drops it
+    assert worker.is_alive() and len(list(datamodule.train_dataloader())) == len(loader)
+
+
 def test_training_images_are_mirrored_as_their_key_seed_draws_and_evaluation_images_never(tmp_path):
     """data.hflip is the training augmentation: a dataset that kept the setting but never
     applied it trained on unmirrored images alone, without a word; val is never mirrored."""

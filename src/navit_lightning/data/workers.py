@@ -110,8 +110,12 @@ def _kill_daemonic_children() -> None:
 
 def loader_worker_init(pid: int, worker_id: int) -> None:
     """A DataLoader `worker_init_fn` (bind `pid`, the training process, with functools.partial).
-    The worker ignores JOB_SIGNALS, and ends with the training process."""
+    The worker ignores JOB_SIGNALS and SIGINT, and ends with the training process. Ctrl-C, and
+    a notebook's interrupt, go to every process of the group: the training process stops as it
+    does on SIGINT, and a worker ended by it broke its persistent loader, a datamodule's, for
+    every pass after ("DataLoader worker exited unexpectedly")."""
     ignore_job_signals()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     exit_with_process(pid)
 
 
