@@ -746,7 +746,10 @@ def test_the_rank_step_report_gives_each_ranks_batch_count_in_its_own_place(monk
     report = callbacks.RankStepReport()
     summed = SimpleNamespace(reduce=lambda counts, reduce_op: counts)  # the other ranks' counts: 0
     trainer = SimpleNamespace(world_size=3, global_rank=1, strategy=summed)
-    for _ in range(4):
-        report.on_train_batch_end(trainer)
-    report.on_train_end(trainer, SimpleNamespace(device=torch.device("cpu")))
-    assert reported == ["training batches per rank: [0, 4, 0] (world size 3)"]
+    module = SimpleNamespace(device=torch.device("cpu"))
+    for batches in (4, 2):  # a second fit of the same trainer reports its own
+        report.on_train_start(trainer, module)
+        for _ in range(batches):
+            report.on_train_batch_end(trainer)
+        report.on_train_end(trainer, module)
+    assert reported == [f"training batches per rank: [0, {n}, 0] (world size 3)" for n in (4, 2)]

@@ -177,6 +177,9 @@ class RankStepReport(L.Callback):
     def __init__(self) -> None:
         self.batches = 0
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.batches = 0  # a notebook's second fit of the trainer: its own batches alone
+
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.batches += 1
 
