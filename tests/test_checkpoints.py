@@ -854,11 +854,12 @@ def test_a_run_that_ended_within_an_epoch_resumes_exactly(run_entry_point):
 
 
 def test_an_error_in_a_notebooks_fit_is_the_error_reported_with_the_save_it_left(
-    project_root, tmp_path, caplog
+    project_root, tmp_path, caplog, recwarn
 ):
     """A config composed as notebooks/ composes it has no run folder of Hydra's (@hydra.main
     sets it): the line saying how to resume read it, and the notebook got
-    MissingMandatoryValue (hydra.runtime.output_dir) over its own error, and no teardown."""
+    MissingMandatoryValue (hydra.runtime.output_dir) over its own error, and no teardown.
+    And the notebook sees none of the warnings train.py drops as asking nothing of the user."""
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("train", overrides=[*TINY_RUN, "logger=csv"], return_hydra_config=True)
     HydraConfig().set_config(cfg)
@@ -871,6 +872,10 @@ def test_an_error_in_a_notebooks_fit_is_the_error_reported_with_the_save_it_left
         trainer.fit(model, datamodule=datamodule)
     assert "stopped at step 2 (RuntimeError)" in caplog.text and "ckpt_path=last resumes" in caplog.text
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+    shown = [str(warning.message) for warning in recwarn]
+    assert not [
+        message for message in shown if "LeafSpec" in message or "on_before_batch_transfer" in message
+    ]
 
 
 @pytest.mark.slow

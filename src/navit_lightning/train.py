@@ -34,7 +34,7 @@ from navit_lightning.utils.checkpoints import (
     load_initial_weights,
     resume_epoch_ends_as_ended,
 )
-from navit_lightning.utils.entry_point import launch, log_config, run_task
+from navit_lightning.utils.entry_point import launch, log_config, quiet_lightning_warnings, run_task
 from navit_lightning.utils.instantiate import (
     absolute_path,
     instantiate_datamodule,
@@ -69,6 +69,7 @@ def build(
 ) -> tuple[L.LightningDataModule, L.LightningModule, L.Trainer]:
     """The datamodule, model and trainer that `cfg` describes (the trainer with the config's
     callbacks and loggers, then `extra_callbacks`)."""
+    quiet_lightning_warnings()  # where a notebook builds, not train.py
     check_launch(cfg)
     # quiet: the printed config holds the seed, and its line came before a refusal's own
     L.seed_everything(cfg.seed, workers=True, verbose=False)

@@ -133,12 +133,10 @@ def tidy_lightning_output() -> None:
     """Lightning gives its loggers their own console handler at import time, before Hydra
     configures logging, and stops them propagating: hand their records to the root logger
     instead, so that they reach Hydra's console and the run's log file once. And drop what
-    asks nothing of the user: a torch deprecation inside Lightning's own code, a warning
-    about a hook that only the LightningModule defines (it warns whenever a datamodule is
-    passed too), one about loaders that the datamodule does not make, and an advert. The log
-    file writes a file name that is not UTF-8 (os.fsdecode keeps its bytes as surrogates)
-    escaped, as the console does: each such line failed there with a traceback of logging's,
-    and the file lacked the warning that named the image."""
+    asks nothing of the user (quiet_lightning_warnings). The log file writes a file name
+    that is not UTF-8 (os.fsdecode keeps its bytes as surrogates) escaped, as the console
+    does: each such line failed there with a traceback of logging's, and the file lacked the
+    warning that named the image."""
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logger = logging.getLogger(name)
         logger.handlers.clear()
@@ -148,6 +146,15 @@ def tidy_lightning_output() -> None:
             handler.errors = "backslashreplace"
             if handler.stream is not None:  # opened already (not delay=True)
                 handler.stream.reconfigure(errors="backslashreplace")
+    quiet_lightning_warnings()
+    warnings_into_the_log_file()
+
+
+def quiet_lightning_warnings() -> None:
+    """Drop what asks nothing of the user: a torch deprecation inside Lightning's own code, a
+    warning about a hook that only the LightningModule defines (it warns whenever a
+    datamodule is passed too), one about loaders that the datamodule does not make, and an
+    advert. Also for a notebook's train.build, whose logging is the notebook's own."""
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     warnings.filterwarnings(
         "ignore", message="You have overridden `on_before_batch_transfer` in `LightningModule`"
@@ -161,7 +168,6 @@ def tidy_lightning_output() -> None:
     # A named function, not a lambda: addFilter skips a filter it already holds, so a sweep's
     # jobs and spawned ranks, each calling this, do not stack copies of it.
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(drop_lightning_adverts)
-    warnings_into_the_log_file()
 
 
 def warnings_into_the_log_file() -> None:
