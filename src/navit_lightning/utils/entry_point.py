@@ -98,8 +98,6 @@ def run_task(task: Callable[[DictConfig], T], cfg: DictConfig, from_checkpoint: 
     tidy_lightning_output()
     if from_checkpoint:
         warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`")
-        # PackedBatchSampler drops nothing: every image is in one of its batches
-        warnings.filterwarnings("ignore", message="You are using a custom batch sampler")
     with refuse_bad_input():
         files_from_the_command_folder(cfg, from_checkpoint)
         return task(cfg)
@@ -153,12 +151,15 @@ def tidy_lightning_output() -> None:
 def quiet_lightning_warnings() -> None:
     """Drop what asks nothing of the user: a torch deprecation inside Lightning's own code, a
     warning about a hook that only the LightningModule defines (it warns whenever a
-    datamodule is passed too), one about loaders that the datamodule does not make, and an
-    advert. Also for a notebook's train.build, whose logging is the notebook's own."""
+    datamodule is passed too), one about the prediction sampler's batches, one about loaders
+    that the datamodule does not make, and an advert. Also for a notebook's train.build,
+    whose logging is the notebook's own."""
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     warnings.filterwarnings(
         "ignore", message="You have overridden `on_before_batch_transfer` in `LightningModule`"
     )
+    # At every prediction: PackedBatchSampler drops nothing, every image is in one of its batches
+    warnings.filterwarnings("ignore", message="You are using a custom batch sampler")
     # On a GPU, at every fit, evaluation and prediction: its PyTorch issue is a new loader at
     # each epoch, whose persistent workers and pin-memory thread pile up; the datamodule hands
     # back the same loader while its settings last (PackedImageDataModule._loader).
