@@ -92,7 +92,7 @@ def test_a_fit_with_an_image_past_the_position_tables_is_refused_before_its_firs
 
 def test_a_row_of_another_layout_is_refused_on_the_host():
     """Padding first, as a packer of one's own might lay a row out: the CPU's default backend
-    (segments) gave other features, silently."""
+    (segments) gave other features, silently; called by hand too (load_from_checkpoint)."""
     batch = make_batch()
     padded = int((batch.image_ids == PAD_ID).any(1).nonzero()[0])
     image_ids = batch.image_ids.clone()
@@ -103,6 +103,8 @@ def test_a_row_of_another_layout_is_refused_on_the_host():
         match=rf"row {padded}: a row must hold slot 0's tokens, slot 1's, \.\.\., then its padding",
     ):
         make_model("linear").on_before_batch_transfer(rolled, 0)
+    with pytest.raises(ValueError, match=rf"row {padded}: a row must hold slot 0's tokens"):
+        make_model("linear", attention="segments")(rolled)
 
 
 def test_weight_decay_spares_vectors_the_position_tables_and_the_pooling_query():

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
+from navit_lightning.batch import check_layout
 from navit_lightning.errors import ConfigError
 from navit_lightning.models.pooling import image_lengths
 
@@ -135,8 +136,11 @@ class SegmentsBackend:
     def plan(self, image_ids: torch.Tensor, max_images: int) -> SegmentPlan:
         rows, length = image_ids.shape
         # The plan is built on the host and sent over once.
-        lengths = image_lengths(image_ids, max_images).cpu()  # the one host sync
-        # Images lie in slot order from each row's start (see data.packing.pack).
+        image_ids = image_ids.cpu()  # the one host sync
+        # Images lie in slot order from each row's start (see data.packing.pack). Checked here
+        # too, for a network called by hand; Lightning's loop checks each host batch.
+        check_layout(image_ids)
+        lengths = image_lengths(image_ids, max_images)
         starts = (lengths.cumsum(1) - lengths + torch.arange(rows)[:, None] * length).flatten()
         lengths = lengths.flatten()
         by_bucket: dict[int, list[int]] = {}
