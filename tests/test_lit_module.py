@@ -107,6 +107,14 @@ def test_a_row_of_another_layout_is_refused_on_the_host():
         make_model("linear", attention="segments")(rolled)
 
 
+def test_pixels_that_are_not_uint8_are_refused():
+    """Floats of 0..1, as a hand-made batch might hold them, read as a near-black image."""
+    batch = make_batch()
+    scaled = batch._replace(patches=batch.patches.float() / 255)
+    with pytest.raises(ValueError, match=r"PackedBatch.patches is torch.float32: NaViT reads uint8 pixels"):
+        make_model("linear")(scaled)
+
+
 def test_weight_decay_spares_vectors_the_position_tables_and_the_pooling_query():
     model = make_model("linear")
     decayed, kept = parameter_groups(model)

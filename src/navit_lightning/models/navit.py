@@ -75,6 +75,11 @@ class PatchEmbed(nn.Module):
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         """(..., p*p*C) uint8 -> (..., dim)."""
+        if patches.dtype != torch.uint8:  # pixels of 0..1 in floats read as near black, silently
+            raise ValueError(
+                f"PackedBatch.patches is {patches.dtype}: NaViT reads uint8 pixels of 0..255, as "
+                "data.packing.pack lays them out"
+            )
         return self.proj(torch.addcmul(self.shift, patches, self.scale))
 
 
