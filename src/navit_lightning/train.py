@@ -69,7 +69,7 @@ def build(
 ) -> tuple[L.LightningDataModule, L.LightningModule, L.Trainer]:
     """The datamodule, model and trainer that `cfg` describes (the trainer with the config's
     callbacks and loggers, then `extra_callbacks`)."""
-    quiet_lightning_warnings()  # where a notebook builds, not train.py
+    quiet_lightning_warnings()  # for a notebook's build: train.py's run_task has done it already
     check_launch(cfg)
     # quiet: the printed config holds the seed, and its line came before a refusal's own
     L.seed_everything(cfg.seed, workers=True, verbose=False)
