@@ -63,7 +63,7 @@ class PatchEmbed(nn.Module):
         # (pixel - mean) / std as pixel * scale + shift, one value per flattened pixel (the
         # channels innermost): one pass over the patches, vectorised along the patch (a
         # broadcast over 3 channels is not), and no float copy of the uint8 pixels first.
-        # one value given for all the channels: each channel's
+        # A mean or std of one value serves every channel (expand).
         scale = 1 / (torch.tensor(pixel_std).expand(channels) * 255)
         shift = -torch.tensor(pixel_mean).expand(channels) * 255 * scale
         self.register_buffer("scale", scale.repeat(patch_size * patch_size), persistent=False)
