@@ -90,7 +90,7 @@ def built_model(*overrides: str):
     return hydra.utils.instantiate(cfg.model), cfg.model
 
 
-def test_resuming_another_network_other_classes_or_an_ema_run_without_ema_is_refused(tmp_path):
+def test_resuming_another_network_other_classes_or_an_ema_run_without_ema_is_refused(tmp_path, caplog):
     model, config = built_model("model.num_classes=3")
     classes = ["bird", "cat", "dog"]
     path = tmp_path / "last.ckpt"
@@ -108,6 +108,18 @@ def test_resuming_another_network_other_classes_or_an_ema_run_without_ema_is_ref
         check_resumable(model, config, path, False, classes)
     torch.save({**weights, "optimizer_states": []}, path)
     check_resumable(*built_model("model.num_classes=3", "optimizer.weight_decay=0.5"), path, False, classes)
+    # the command's schedule function runs from the restored step: another floor, without a word
+    other_schedule = built_model(
+        "model.num_classes=3", "scheduler.min_lr_ratio=0.5", "scheduler.warmup_steps=7"
+    )
+    caplog.clear()
+    check_resumable(*other_schedule, path, False, classes, fitting=False)
+    assert "schedule settings" not in caplog.text
+    check_resumable(*other_schedule, path, False, classes)
+    assert (
+        "resumed with this command's schedule settings: scheduler.min_lr_ratio 0.01 -> 0.5, "
+        "scheduler.warmup_steps 100 -> 7\n" in caplog.text
+    )
     # a sweep resumed with its seeds in another order: seed=0's job went on from seed 1's run
     torch.save({**weights, "optimizer_states": [], "run_config": {**run_config, "seed": 1}}, path)
     check_resumable(model, config, path, False, classes, seed=1)

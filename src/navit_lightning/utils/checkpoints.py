@@ -546,6 +546,11 @@ def check_resumable(
             f"ckpt_path={ckpt_path} was written with callbacks=ema (its weights are the average): "
             "resume with callbacks=ema, which carries on from the trained weights saved beside it"
         )
+    # Lightning restores the schedule's step and rates; its function, and so these, the command's
+    schedule = changed_settings(checkpoint, model_config, "model.scheduler", ignored=())
+    if fitting and schedule:
+        changes = ", ".join(f"{key.removeprefix('model.')} {was} -> {now}" for key, was, now in schedule)
+        rank_zero_info(f"resumed with this command's schedule settings: {changes}")
     return checkpoint
 
 
@@ -598,15 +603,28 @@ NOT_THE_NETWORK = (
 )
 
 
-def setting_changes(checkpoint: dict[str, Any], model_config: DictConfig, within: str) -> list[str]:
-    """['model.net.dim=32 there, 64 here', ...]: the settings under `within` (but those
-    NOT_THE_NETWORK) in which a checkpoint's run and this one differ."""
+def changed_settings(
+    checkpoint: dict[str, Any],
+    model_config: DictConfig,
+    within: str,
+    ignored: tuple[str, ...] = NOT_THE_NETWORK,
+) -> list[tuple[str, Any, Any]]:
+    """[('model.net.dim', 32, 64), ...]: the settings under `within` (but those `ignored`) in
+    which a checkpoint's run (the first value) and this one (the second) differ."""
     saved = dotted_settings(checkpoint["run_config"].get("model", {}), "model.")
     now = dotted_settings(OmegaConf.to_container(model_config, resolve=True), "model.")
     return [
-        f"{key}={saved.get(key)} there, {now.get(key)} here"
+        (key, saved.get(key), now.get(key))
         for key in sorted(saved.keys() | now.keys())
-        if key.startswith(within) and not key.startswith(NOT_THE_NETWORK) and saved.get(key) != now.get(key)
+        if key.startswith(within) and not key.startswith(ignored) and saved.get(key) != now.get(key)
+    ]
+
+
+def setting_changes(checkpoint: dict[str, Any], model_config: DictConfig, within: str) -> list[str]:
+    """['model.net.dim=32 there, 64 here', ...]: changed_settings, as a refusal names them."""
+    return [
+        f"{key}={was} there, {now} here"
+        for key, was, now in changed_settings(checkpoint, model_config, within)
     ]
 
 
