@@ -95,8 +95,10 @@ def test_training_ends_with_accuracy_across_resolutions_and_eval_py_agrees(run_e
     assert all(result.images_per_s > 0 for result in results)
 
 
-def test_an_evaluations_seconds_span_its_first_batchs_start_to_its_last_batchs_end(monkeypatch):
-    """images/s per budget is images over these seconds: one batch's would overstate it."""
+def test_an_evaluations_seconds_are_its_batches_own_summed_over_each_loader(monkeypatch):
+    """images/s per budget is images over these seconds: one batch's would overstate it; the
+    time between batches held another budget's first batch's loading (Lightning fetches each
+    batch before the last one runs), and a budget of one batch had none."""
     now = [0.0]
     monkeypatch.setattr(resolution.time, "perf_counter", lambda: now[0])
     logged: dict[str, list[float]] = {}
@@ -105,12 +107,14 @@ def test_an_evaluations_seconds_span_its_first_batchs_start_to_its_last_batchs_e
         log=lambda name, value, **_: logged.setdefault(name, []).append(value),
     )
     counter = EvalCounter()
-    for batch_idx in range(3):  # batches of 2 s, 10 s apart
-        now[0] = 10.0 * batch_idx
-        counter.on_test_batch_start(None, module, None, batch_idx)
-        now[0] += 2.0
-        counter.on_test_batch_end(None, module, None, None, batch_idx)
-    assert max(logged["test/seconds"]) == 22.0 and logged["test/images"] == [3.0] * 3
+    for loader, batches in enumerate((3, 1)):
+        logged.clear()
+        for batch_idx in range(batches):  # batches of 2 s, 10 s apart
+            now[0] = 100.0 * loader + 10.0 * batch_idx
+            counter.on_test_batch_start(None, module, None, batch_idx, loader)
+            now[0] += 2.0
+            counter.on_test_batch_end(None, module, None, None, batch_idx, loader)
+        assert max(logged["test/seconds"]) == 2.0 * batches and logged["test/images"] == [3.0] * batches
 
 
 def test_the_report_logs_each_budgets_accuracy_and_patches_at_the_budget_and_writes_its_csv(tmp_path):
@@ -146,7 +150,7 @@ def test_lightning_reduces_an_evaluations_seconds_to_their_maximum_and_sums_its_
     trainer = bare_trainer()
     trainer.callbacks.append(EvalCounter())
     trainer.validate(CountedBatches(), DataLoader([1, 2, 3], batch_size=None), verbose=False)
-    # started at 0, then 1, 2 and 3 s after each batch: the pass took 3 s
+    # each batch started at an even second and ended a second later: 3 s
     assert float(trainer.callback_metrics["val/seconds"]) == 3.0
     assert float(trainer.callback_metrics["val/images"]) == 6.0
     assert float(trainer.callback_metrics["val/real_tokens"]) == 60.0

@@ -62,14 +62,15 @@ def resolution_figure(curves: Mapping[str, Sequence[BudgetResult]]) -> Figure:
 
 class EvalCounter(L.Callback):
     """Per loader of an evaluation (one per patch budget): its images and real tokens, summed
-    over its batches and ranks, and the seconds from its first batch's start to its last
-    batch's end on the slowest rank, all through Lightning's logging, which keys them by loader
+    over its batches and ranks, and its batches' seconds (each from its start to its end,
+    summed) on the slowest rank, all through Lightning's logging, which keys them by loader
     where there are several (collectives in its own order: see utils/callbacks.py). Logged,
     not kept here: under ddp_spawn this callback runs in the ranks, a copy of the caller's, and
     only the logged metrics come back."""
 
     def __init__(self) -> None:
         self.started = 0.0
+        self.seconds = 0.0
 
     # A full garbage collection, due after the start-up and the checkpoint's load, would land
     # in the first timed batch otherwise: 219 ms in a 48-image test step of 22 ms (eval.py on
@@ -92,17 +93,22 @@ class EvalCounter(L.Callback):
     def on_test_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._count(pl_module, "test")
 
+    # The batches' own time, not the loader's: Lightning fetches each batch before the last
+    # one runs, the next loader's first among them, so a pass's wall time took a batch's
+    # loading from the next budget, and a budget of one batch read as compute alone.
     def _start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         if batch_idx == 0:  # each loader's first batch
-            self.started = time.perf_counter()
+            self.seconds = 0.0
+        self.started = time.perf_counter()
 
     def _count(self, pl_module: L.LightningModule, stage: str) -> None:
         counts = pl_module.batch_counts
-        # The seconds so far, every batch: their maximum is the loader's whole pass.
+        self.seconds += time.perf_counter() - self.started
+        # The seconds so far, every batch: their maximum is the loader's whole.
         for name, value, reduce in (
             ("images", counts.images, "sum"),
             ("real_tokens", counts.real_tokens, "sum"),
-            ("seconds", time.perf_counter() - self.started, "max"),
+            ("seconds", self.seconds, "max"),
         ):
             pl_module.log(
                 f"{stage}/{name}", float(value), on_epoch=True, reduce_fx=reduce, sync_dist=True, batch_size=1
