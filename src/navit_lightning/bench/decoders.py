@@ -9,8 +9,8 @@ common camera and web sizes (320x240 .. 2048x1536, either orientation), 20 % wit
 sides 100..2500 px; smooth colour fields, shapes and sensor-like noise, quality 90, one in
 four with an EXIF orientation tag (2..8); --max-side scales them down (500: ImageNet-like
 files, or a data set stored at the largest size training uses). Each decoder makes every
-file's sample at each patch budget (16 px patches; 36 is data.max_patches' default, 256
-navit_base's GPU setting); the decoders take turns, one pass over the folder each per round,
+file's sample at each patch budget (16 px patches; 36 is data.max_patches' default, 256 a
+large budget: 256 x 256 px); the decoders take turns, one pass over the folder each per round,
 so the machine's drifts hit them alike, and each reports its median images/s over the
 rounds, its ratio to pillow+draft (Pillow decoding at reduced JPEG scale via draft: the
 loader's path) and how far its patches are from pillow+draft's (mirrored, EXIF applied):
