@@ -5,10 +5,10 @@ synthetic data sets.
 
 Every rank plans the whole epoch (sizes and token drops, order, first-fit-decreasing packing
 over the look-ahead) identically before dealing the batches out, so this is the cost each
-rank pays per epoch. The data.* defaults apply (patch 16, as navit_small's and navit_base's; patch budgets 12..36, batches of
-14 rows x 144 tokens with at most 32 images a row, look-ahead 512); the image sizes are
-synthetic and seeded: mostly camera photos (4:3, 3:2, 16:9, 1:1 either way up, long side
-320..4032 px), a third of any aspect from 1:4 to 4:1 and area.
+rank pays per epoch. The data.* defaults apply (patch 16, as navit_small's and navit_base's;
+patch budgets 12..36, batches of 14 rows x 144 tokens with at most 32 images a row, look-ahead
+512); the image sizes are synthetic and seeded: mostly camera photos (4:3, 3:2, 16:9, 1:1
+either way up, long side 320..4032 px), a third of any aspect from 1:4 to 4:1 and area.
 
 Each data set size is measured in a fresh process; per phase it prints seconds, and for the
 whole plan the peak resident memory above what the process held before planning (Linux
