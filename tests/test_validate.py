@@ -108,6 +108,15 @@ def config(*overrides: str):
             ["optimizer.fused=true", "trainer.precision=bf16"],
             "optimizer.fused=true cannot clip gradients under trainer.precision=bf16:",
         ),
+        # a model config's own optimizer, not the optimizer group's (which it leaves unused)
+        (
+            0,
+            [
+                "model.optimizer={_target_:torch.optim.AdamW,_partial_:true,lr:0.0005,fused:true}",
+                "trainer.precision=bf16",
+            ],
+            "optimizer.fused=true cannot clip gradients under trainer.precision=bf16:",
+        ),
         (0, ["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0 must be 1"),
         (0, ["trainer.accumulate_grad_batches=true"], "trainer.accumulate_grad_batches=True must be 1"),
         (0, ["trainer.gradient_clip_val=-1"], "a negative bound reverses every gradient"),

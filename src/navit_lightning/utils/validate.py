@@ -303,7 +303,8 @@ def check_fused_optimizer(cfg: DictConfig) -> None:
     """Lightning's mixed precision refuses to clip the gradients of an optimizer that unscales
     them itself (a fused one), and only at the first step."""
     precision, clip = str(cfg.trainer.precision), cfg.trainer.gradient_clip_val
-    if cfg.optimizer.get("fused") and precision in MIXED_PRECISIONS and clip:
+    optimizer = cfg.model.get("optimizer") or {}  # the model's, which a model config may set itself
+    if optimizer.get("fused") and precision in MIXED_PRECISIONS and clip:
         raise ConfigError(
             f"optimizer.fused=true cannot clip gradients under trainer.precision={precision}: "
             "set trainer.gradient_clip_val=null or optimizer.fused=null"
