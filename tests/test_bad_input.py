@@ -234,7 +234,7 @@ def test_every_loader_names_the_files_it_could_not_decode_whatever_the_callbacks
     assert sorted(named) == ["truncated.jpg", "truncated.png"]
     report, counts = UnreadableImageReport(), {"test/unreadable_images/dataloader_idx_0": torch.tensor(2.0)}
     counts["test/decoded_images/dataloader_idx_0"] = torch.tensor(20.0)
-    report.epoch["test"] = 0
+    report.counted_epochs["test"] = 0
     counts["test/unreadable_images/dataloader_idx_1"] = torch.tensor(2.0)  # the same images at another budget
     with caplog.at_level(logging.WARNING):
         report.on_test_end(SimpleNamespace(callback_metrics=counts, is_global_zero=True), one_image_batches())

@@ -23,7 +23,7 @@ from navit_lightning.batch import IGNORE_LABEL, PackedBatch, check_layout, image
 from navit_lightning.errors import ConfigError, require_flags
 from navit_lightning.models import NaViT, build_head
 from navit_lightning.utils.checkpoints import numbered_classes, read_checkpoint, run_class_names
-from navit_lightning.utils.schedules import check_lr_scaling, limited, lr_scale
+from navit_lightning.utils.schedules import check_lr_scaling, limited, lr_scale, step_factors
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -207,7 +207,7 @@ class NaViTClassifier(L.LightningModule):
         # (a bare "train" key would clash with nn.Module.train); more during a budget sweep.
         self.metrics = nn.ModuleDict()
         for stage in ("train", "val", "test"):
-            self._metric_names(stage, 0)
+            self._ensure_metrics(stage, 0)
         # Fed the synced val accuracy, the same on every rank: nothing left to sync.
         self.val_acc_best = HighestValue(sync_on_compute=False)
         # Of the validation images, over every rank: the last epoch's, for pictures.LogPictures;
@@ -313,10 +313,11 @@ class NaViTClassifier(L.LightningModule):
         self._host_counts, self.batch_counts = None, counts
         return counts
 
-    def _metric_names(self, stage: str, dataloader_idx: int) -> tuple[str, str]:
-        """The names in self.metrics of `stage`'s mean loss and accuracy over its loader
-        `dataloader_idx`: an evaluation across patch budgets has a loader per budget
-        (resolution.py), each counted apart in metrics made at its first batch."""
+    def _ensure_metrics(self, stage: str, dataloader_idx: int) -> tuple[str, str]:
+        """Makes `stage`'s mean loss and accuracy over its loader `dataloader_idx` where
+        self.metrics lacks them, and returns their names there: an evaluation across patch
+        budgets has a loader per budget (resolution.py), each counted apart in metrics made at
+        its first batch."""
         suffix = "" if dataloader_idx == 0 else f"_{dataloader_idx}"
         loss, accuracy = f"{stage}_loss{suffix}", f"{stage}_acc{suffix}"
         if loss not in self.metrics:
@@ -338,7 +339,7 @@ class NaViTClassifier(L.LightningModule):
         logits = self(batch, index)
         labels = batch.labels.flatten()[index]
         loss = image_loss(logits, labels)
-        loss_name, accuracy_name = self._metric_names(stage, dataloader_idx)
+        loss_name, accuracy_name = self._ensure_metrics(stage, dataloader_idx)
         # forward: the batch's value for the step's log too
         self.metrics[loss_name](loss * num_images, num_images)
         self.metrics[accuracy_name].update((logits.argmax(-1) == labels).sum(), num_images)
@@ -389,8 +390,9 @@ class NaViTClassifier(L.LightningModule):
         return loss * images
 
     def _batches_per_step(self) -> int:
-        trainer = self._trainer  # None for a step called outside a Trainer (self.trainer raises)
-        return 1 if trainer is None else trainer.world_size * trainer.accumulate_grad_batches
+        # self._trainer: None for a step called outside a Trainer (self.trainer raises)
+        ranks, accumulation = step_factors(self._trainer)
+        return ranks * accumulation
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Every rank runs this hook before each optimizer step, in step: its all_reduce pairs.
@@ -508,11 +510,11 @@ class NaViTClassifier(L.LightningModule):
         if resumed is None or trainer.max_epochs == -1 or not math.isfinite(estimate):
             return estimate
         batches = trainer.num_training_batches  # an epoch's, limit_train_batches applied
-        planned = getattr(trainer.datamodule, "train_batches_per_rank", None)
-        if resumed.batches_done >= resumed.batches_planned and planned is not None:
+        next_epoch_batches = getattr(trainer.datamodule, "train_batches_per_rank", None)
+        if resumed.batches_done >= resumed.batches_planned and next_epoch_batches is not None:
             # the loader keeps the length of an epoch resumed after its batches, from the
             # checkpoint's settings (its validation still to run): later epochs have this run's
-            batches = limited(planned(), trainer.limit_train_batches)
+            batches = limited(next_epoch_batches(), trainer.limit_train_batches)
         per_step = trainer.accumulate_grad_batches
         later_epochs = max(0, trainer.max_epochs - resumed.epoch - 1)
         steps = resumed.global_step + math.ceil(resumed.batches_left(batches) / per_step)

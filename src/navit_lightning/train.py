@@ -203,12 +203,11 @@ def fit_and_test(
         raise ConfigError(f"train=false tests ckpt_path={cfg.ckpt_path}, which names no checkpoint here")
     averaged = any(isinstance(c, WeightAveraging) for c in trainer.callbacks)  # callbacks=ema
     if ckpt_path is not None:
-        # train=false evaluates a callbacks=ema checkpoint's weights, its average, as eval.py does
         checkpoint = check_resumable(
             model,
             cfg.model,
             ckpt_path,
-            not cfg.train or averaged,
+            averaged,
             datamodule.class_names(),
             fitting=cfg.train,
             seed=cfg.seed,

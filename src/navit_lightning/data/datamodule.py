@@ -43,7 +43,7 @@ from navit_lightning.data.transforms import PILLOW_MAX_PIXELS, longest_side
 from navit_lightning.data.workers import loader_context, loader_worker_init, usable_cores
 from navit_lightning.errors import ConfigError, DataError, require_counts, require_flags
 from navit_lightning.utils.launch import srun_tasks
-from navit_lightning.utils.schedules import limited
+from navit_lightning.utils.schedules import limited, step_factors
 
 # What one optimizer step consumes, logged at the start of training (see _report_effective_batch).
 EFFECTIVE_BATCH_METRICS = ("effective_batch/tokens", "effective_batch/images")
@@ -52,13 +52,20 @@ EFFECTIVE_BATCH_METRICS = ("effective_batch/tokens", "effective_batch/images")
 warn_unreadable_on_rank_zero = rank_zero_only(warn_unreadable)
 
 
-def held_weakly(method: Callable[[], Any], gone: Any) -> Callable[[], Any]:
-    """`method` of a datamodule its loader holds, without keeping the datamodule alive; `gone`
-    once it is (a datamodule no trainer held, so none was attached: what `method` gave). Held
+def held_weakly(method: Callable[[], int | None]) -> Callable[[], int | None]:
+    """`method` of a datamodule its loader holds, without keeping the datamodule alive; 0 once
+    it is gone (a datamodule no trainer held, so none was attached: what `method` gave). Held
     strongly, the two made a cycle, which the garbage collector ended in an order that broke
     torch's shutdown of the loader's persistent workers (10 s a worker, then left running)."""
     reference = weakref.WeakMethod(method)
-    return lambda: gone if (bound := reference()) is None else bound()
+    return lambda: 0 if (bound := reference()) is None else bound()
+
+
+def seed_of_split(split_seed: int | None, seed: int) -> int:
+    """What holds the val images out: `split_seed`, or where it is None the run's `seed`, as
+    every run did before split_seed existed (their checkpoints hold none, and a resume or
+    eval.py must hold out the same images from them)."""
+    return seed if split_seed is None else split_seed
 
 
 class NamingLoader(DataLoader):
@@ -200,9 +207,7 @@ class PackedImageDataModule(L.LightningDataModule):
         self.multiprocessing_context = multiprocessing_context
         self.pin_memory = pin_memory
         self.seed = seed
-        # None: `seed`, as every run did before split_seed existed (their checkpoints hold no
-        # split_seed, and eval.py must hold out the same images from them)
-        self.split_seed = seed if split_seed is None else split_seed
+        self.split_seed = seed_of_split(split_seed, seed)
         self.split_by_path = split_by_path  # False: as runs from before it held out
         self.generate = generate
         self.index_dir = index_dir
@@ -232,10 +237,9 @@ class PackedImageDataModule(L.LightningDataModule):
         out, which a resume, a test or an evaluation of it must keep, naming the settings
         of this config left aside for it: a run from before split_seed or split_by_path
         held out by its seed, by a shuffle. Returns the settings held out by."""
-        split_seed = run_data.get("split_seed")
         held_out = {
             "val_fraction": run_data.get("val_fraction", self.val_fraction),
-            "split_seed": run_data.get("seed", self.seed) if split_seed is None else split_seed,
+            "split_seed": seed_of_split(run_data.get("split_seed"), run_data.get("seed", self.seed)),
             "split_by_path": run_data.get("split_by_path", False),
         }
         left_aside = {key: value for key, value in held_out.items() if getattr(self, key) != value}
@@ -478,8 +482,8 @@ class PackedImageDataModule(L.LightningDataModule):
         if split == "train":
             return TrainLoader(
                 self.datasets[split],
-                batches_done=held_weakly(self._train_batches_done, 0),
-                epochs_ended=held_weakly(self._train_epochs_ended, 0),
+                batches_done=held_weakly(self._train_batches_done),
+                epochs_ended=held_weakly(self._train_epochs_ended),
                 **options,
             )
         return NamingLoader(self.datasets[split], **options)
@@ -538,22 +542,16 @@ class PackedImageDataModule(L.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._train_position = state_dict.get("train_position")
 
-    def _step_factors(self) -> tuple[int, int]:
-        """(ranks, batches accumulated) of one optimizer step."""
-        if not self.trainer:
-            return 1, 1
-        return self.trainer.world_size, self.trainer.accumulate_grad_batches
-
     def step_tokens(self) -> int:
         """The tokens, padding included, of one optimizer step: the effective batch."""
         shape = self.process_shape()
-        ranks, accumulation = self._step_factors()
+        ranks, accumulation = step_factors(self.trainer)
         return ranks * accumulation * shape.rows * shape.row_len
 
     def _report_effective_batch(self, sampler: PackedBatchSampler) -> None:
         """Print and log what one optimizer step consumes: a token budget, not an image count."""
         stats = sampler.plan_stats()
-        ranks, accumulation = self._step_factors()
+        ranks, accumulation = step_factors(self.trainer)
         shape = self.process_shape()
         tokens = shape.rows * shape.row_len
         step_tokens = self.step_tokens()

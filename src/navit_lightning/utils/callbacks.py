@@ -1,6 +1,6 @@
-"""The project's callbacks that configs/callbacks/ names, and StoreRunConfig, which train.py
-adds itself (as it adds StopTogetherOnSigterm, from utils/shutdown.py; eval.py and predict.py
-add theirs from resolution.py and predict.py)."""
+"""The project's own callbacks: most of those configs/callbacks/ names (the checkpoint ones are
+in utils/checkpoints.py, LogPictures in pictures.py), StoreRunConfig, which train.py adds, and
+UnreadableImageReport, which eval.py adds too."""
 
 from __future__ import annotations
 
@@ -207,7 +207,7 @@ class UnreadableImageReport(L.Callback):
     as a class with none in the val split is."""
 
     def __init__(self) -> None:
-        self.epoch: dict[str, int] = {}  # the epoch each stage last counted
+        self.counted_epochs: dict[str, int] = {}  # stage -> the epoch it counted, not yet reported
         self._unscored: set[str] = set()  # the val classes warned of
 
     @staticmethod
@@ -228,7 +228,7 @@ class UnreadableImageReport(L.Callback):
         dataset = getattr(trainer.datamodule, "datasets", {}).get(stage)
         if dataset is None:
             return
-        self.epoch[stage] = trainer.current_epoch
+        self.counted_epochs[stage] = trainer.current_epoch
         # the failures since the last batch, in this rank's workers; the decoded images for the
         # check alone, not to the loggers
         counts = {
@@ -267,9 +267,9 @@ class UnreadableImageReport(L.Callback):
     def _report(self, trainer: L.Trainer, stage: str) -> None:
         """Warn of the epoch's unreadable images; stop where it decoded none. On every rank
         alike: the reduced metrics are equal on all of them."""
-        if stage not in self.epoch:
+        if stage not in self.counted_epochs:
             return
-        epoch = self.epoch.pop(stage)  # once per counted epoch
+        epoch = self.counted_epochs.pop(stage)  # once per counted epoch
         # a test is no epoch: after a fit current_epoch is the number of epochs trained
         counted = stage if stage == "test" else f"{stage} epoch {epoch}"
         failed, decoded = (

@@ -541,7 +541,8 @@ def check_resumable(
             f"resume with the settings it was trained with{as_given(changes)}, or leave ckpt_path out to "
             "start afresh"
         )
-    if "current_model_state" in checkpoint and not averaging:
+    # a test (train=false) takes a callbacks=ema checkpoint's weights, its average, as eval.py does
+    if fitting and "current_model_state" in checkpoint and not averaging:
         raise ConfigError(
             f"ckpt_path={ckpt_path} was written with callbacks=ema (its weights are the average): "
             "resume with callbacks=ema, which carries on from the trained weights saved beside it"

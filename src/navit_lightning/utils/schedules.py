@@ -29,6 +29,11 @@ def check_lr_scaling(rule: str | None, reference_tokens: int) -> None:
         )
 
 
+def step_factors(trainer: Any) -> tuple[int, int]:
+    """(ranks, batches accumulated) of one optimizer step of `trainer`; (1, 1) without one."""
+    return (1, 1) if trainer is None else (trainer.world_size, trainer.accumulate_grad_batches)
+
+
 def limited(batches: int, limit: int | float) -> int:
     """An epoch's `batches` under trainer.limit_train_batches, as Lightning counts them."""
     return min(batches, limit) if isinstance(limit, int) else int(batches * limit)
