@@ -35,16 +35,14 @@ from navit_lightning.utils.checkpoints import (
     ResumeCheckpoint,
     check_resumable,
     check_same_classes,
-    data_for,
-    data_keys_given,
     load_initial_weights,
     read_checkpoint,
     resume_epoch_ends_as_ended,
-    same_folder,
     saved_as_before_validation,
 )
 from navit_lightning.utils.entry_point import refusal
 from navit_lightning.utils.instantiate import absolute_path
+from navit_lightning.utils.rebuild import data_for, data_keys_given, same_folder
 from tests.conftest import DDP_TWO_RANKS, TINY_RUN, TINY_SHAPES, bare_trainer, logged_scalars
 from tests.interruptions import InterruptAtStep
 

@@ -25,14 +25,12 @@ from navit_lightning.resolution import (
 )
 from navit_lightning.utils.callbacks import UnreadableImageReport
 from navit_lightning.utils.checkpoints import (
-    build_from_checkpoint,
     check_same_classes,
-    data_for,
-    data_keys_given,
     load_training_run,
 )
 from navit_lightning.utils.entry_point import launch, run_task
 from navit_lightning.utils.loggers import finish_loggers, loggers_closed_on_failure
+from navit_lightning.utils.rebuild import build_from_checkpoint, data_for, data_keys_given
 from navit_lightning.utils.shutdown import explain_collective_failure
 from navit_lightning.utils.validate import check_launch, check_run_attention
 

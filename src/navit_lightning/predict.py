@@ -28,14 +28,12 @@ from navit_lightning.data.index import SURROGATES, other_files
 from navit_lightning.errors import ConfigError, DataError, OutputError, free_space, is_count
 from navit_lightning.resolution import budgets_past_the_tables
 from navit_lightning.utils.checkpoints import (
-    build_from_checkpoint,
-    data_for,
-    data_keys_given,
     load_training_run,
     numbered_classes,
 )
 from navit_lightning.utils.entry_point import launch, run_task
 from navit_lightning.utils.instantiate import instantiate_group
+from navit_lightning.utils.rebuild import build_from_checkpoint, data_for, data_keys_given
 from navit_lightning.utils.shutdown import explain_collective_failure
 from navit_lightning.utils.validate import check_launch, check_run_attention
 
