@@ -289,18 +289,7 @@ class PackedImageDataModule(L.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         if stage == "predict":
-            if "predict" in self.datasets:  # its headers read once, before the budget's check
-                return
-            numbered = [(path, number) for number, path in enumerate(self.predict_paths)]
-            images, unreadable = images_of_files(numbered, workers=usable_cores())
-            images, too_large = within_pixels(images, self.max_image_pixels)
-            unreadable += too_large
-            warn_unreadable_on_rank_zero(unreadable)
-            if not len(images.labels):
-                raise DataError(
-                    f"none of the {len(numbered)} input file(s) is a readable image (named above)"
-                )
-            self.datasets["predict"] = ImageFolder(images, self.patch_size)
+            self._setup_predict()
             return
         if self.datasets:  # set up before the trainer was attached (a budget check), maybe
             self._refuse_other_images_on_other_ranks()
@@ -358,6 +347,19 @@ class PackedImageDataModule(L.LightningDataModule):
                 )
             self.datasets["test"] = self.datasets["val"]
         self._refuse_other_images_on_other_ranks()
+
+    def _setup_predict(self) -> None:
+        """The predict_on files' dataset, numbered by their position in that list."""
+        if "predict" in self.datasets:  # its headers read once, before the budget's check
+            return
+        numbered = [(path, number) for number, path in enumerate(self.predict_paths)]
+        images, unreadable = images_of_files(numbered, workers=usable_cores())
+        images, too_large = within_pixels(images, self.max_image_pixels)
+        unreadable += too_large
+        warn_unreadable_on_rank_zero(unreadable)
+        if not len(images.labels):
+            raise DataError(f"none of the {len(numbered)} input file(s) is a readable image (named above)")
+        self.datasets["predict"] = ImageFolder(images, self.patch_size)
 
     def _refuse_other_images_on_other_ranks(self) -> None:
         """Each rank reads data.root itself: where the ranks' images differ (a copy on each

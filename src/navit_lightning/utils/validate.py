@@ -65,9 +65,11 @@ NODE_LAUNCHERS = (
 
 
 def check_launch(cfg: DictConfig, training: bool = True) -> None:
-    """training=False (eval.py, predict.py): the model, and so its attention backend, comes from the
-    checkpoint, which they read once after this (check_run_attention). strategy=auto given
-    several devices becomes strategy=ddp's strategy."""
+    """Refuses, in one line each, a config that this machine cannot run or that would fail (or
+    train wrongly) once its processes have started; and settles the strategy: strategy=auto
+    given several devices becomes strategy=ddp's. training=False (eval.py, predict.py): the
+    model, and so its attention backend, comes from the checkpoint, which they read once after
+    this (check_run_attention)."""
     check_groups_kept(cfg, ("trainer", "paths", "model", "data") if training else ("trainer", "paths"))
     check_required(cfg)
     for group, fix in (
@@ -153,59 +155,68 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
                 f"model.net.channels={cfg.model.net.channels}: the data module gives RGB patches "
                 "(grey images too are converted to RGB); keep 3"
             )
-        callbacks = {name: callback for name, callback in (cfg.get("callbacks") or {}).items() if callback}
-        if weights_only := [
-            name for name, callback in callbacks.items() if callback.get("save_weights_only")
-        ]:
-            # Lightning calls no callback's on_save_checkpoint for them
-            raise ConfigError(
-                f"callbacks.{weights_only[0]}.save_weights_only=true: Lightning leaves the callbacks' "
-                "part out of such a checkpoint, the run's config and class names that eval.py, "
-                "predict.py and init_from read (and callbacks=ema's average): keep it false"
-            )
-        logging_callbacks = [
-            name
-            for name, callback in callbacks.items()
-            if str(callback.get("_target_")).endswith(CALLBACKS_NEEDING_A_LOGGER)
-        ]
-        if not cfg.get("logger") and logging_callbacks:
-            # Lightning's fail at the start of fit without a logger, in a traceback
-            raise ConfigError(
-                f"callbacks.{logging_callbacks[0]} needs a logger and the config has none (~logger, "
-                f"debug=fdr): add callbacks.{logging_callbacks[0]}=null, or keep logger=tensorboard"
-            )
-        ckpt_path, fitting = cfg.get("ckpt_path"), cfg.get("train", True)
-        # Lightning skips the fit, and the run exited 0, testing its untrained weights (a run
-        # from a checkpoint's weights may have nothing left to train: its epoch is past them)
-        from_weights = ckpt_path is not None or cfg.get("init_from") is not None
-        untrained = [
-            f"trainer.{name}={trainer[name]}"
-            for name in ("limit_train_batches", "max_epochs", "max_steps")
-            if trainer.get(name) == 0 and (name == "limit_train_batches" or not from_weights)
-        ]
-        if fitting and untrained:
-            raise ConfigError(
-                f"{untrained[0]} trains no batch (Lightning skips the fit): leave it out, or test a "
-                f"checkpoint with train=false ckpt_path={CKPT_PATH_EXAMPLE} (or eval.py)"
-            )
-        if not fitting and ckpt_path is None:
-            raise ConfigError(
-                f"train=false tests a checkpoint, the network's weights would be its initial ones: "
-                f"give ckpt_path={CKPT_PATH_EXAMPLE} (or use eval.py)"
-            )
-        if ckpt_path is not None and ckpt_path not in LIGHTNING_CKPT_NAMES:
-            read_checkpoint(ckpt_path)
-        if fitting and trainer.get("fast_dev_run") and ckpt_path is not None:
-            # Lightning's fast_dev_run ends the fit at epoch 1 and at step fast_dev_run: a
-            # checkpoint past them was refused naming trainer.max_epochs, never set
-            weights = CKPT_PATH_EXAMPLE if ckpt_path in LIGHTNING_CKPT_NAMES else ckpt_path
-            raise ConfigError(
-                f"trainer.fast_dev_run={trainer.fast_dev_run} (debug=fdr) runs a few batches of each "
-                f"stage and resumes no ckpt_path={ckpt_path}: start from its weights with "
-                f"init_from={weights}, or drop debug=fdr"
-            )
-        if cfg.get("init_from") is not None:
-            read_checkpoint(cfg.init_from, key="init_from")
+        check_callbacks(cfg)
+        check_starting_point(cfg, trainer)
+
+
+def check_callbacks(cfg: DictConfig) -> None:
+    """What a fit's callbacks would fail on, or leave out of its checkpoints."""
+    callbacks = {name: callback for name, callback in (cfg.get("callbacks") or {}).items() if callback}
+    if weights_only := [name for name, callback in callbacks.items() if callback.get("save_weights_only")]:
+        # Lightning calls no callback's on_save_checkpoint for them
+        raise ConfigError(
+            f"callbacks.{weights_only[0]}.save_weights_only=true: Lightning leaves the callbacks' "
+            "part out of such a checkpoint, the run's config and class names that eval.py, "
+            "predict.py and init_from read (and callbacks=ema's average): keep it false"
+        )
+    logging_callbacks = [
+        name
+        for name, callback in callbacks.items()
+        if str(callback.get("_target_")).endswith(CALLBACKS_NEEDING_A_LOGGER)
+    ]
+    if not cfg.get("logger") and logging_callbacks:
+        # Lightning's fail at the start of fit without a logger, in a traceback
+        raise ConfigError(
+            f"callbacks.{logging_callbacks[0]} needs a logger and the config has none (~logger, "
+            f"debug=fdr): add callbacks.{logging_callbacks[0]}=null, or keep logger=tensorboard"
+        )
+
+
+def check_starting_point(cfg: DictConfig, trainer: DictConfig) -> None:
+    """What the fit starts from (a checkpoint to resume or to test, init_from's weights) and
+    whether it has anything to train."""
+    ckpt_path, fitting = cfg.get("ckpt_path"), cfg.get("train", True)
+    # Lightning skips the fit, and the run exited 0, testing its untrained weights (a run
+    # from a checkpoint's weights may have nothing left to train: its epoch is past them)
+    from_weights = ckpt_path is not None or cfg.get("init_from") is not None
+    untrained = [
+        f"trainer.{name}={trainer[name]}"
+        for name in ("limit_train_batches", "max_epochs", "max_steps")
+        if trainer.get(name) == 0 and (name == "limit_train_batches" or not from_weights)
+    ]
+    if fitting and untrained:
+        raise ConfigError(
+            f"{untrained[0]} trains no batch (Lightning skips the fit): leave it out, or test a "
+            f"checkpoint with train=false ckpt_path={CKPT_PATH_EXAMPLE} (or eval.py)"
+        )
+    if not fitting and ckpt_path is None:
+        raise ConfigError(
+            f"train=false tests a checkpoint, the network's weights would be its initial ones: "
+            f"give ckpt_path={CKPT_PATH_EXAMPLE} (or use eval.py)"
+        )
+    if ckpt_path is not None and ckpt_path not in LIGHTNING_CKPT_NAMES:
+        read_checkpoint(ckpt_path)
+    if fitting and trainer.get("fast_dev_run") and ckpt_path is not None:
+        # Lightning's fast_dev_run ends the fit at epoch 1 and at step fast_dev_run: a
+        # checkpoint past them was refused naming trainer.max_epochs, never set
+        weights = CKPT_PATH_EXAMPLE if ckpt_path in LIGHTNING_CKPT_NAMES else ckpt_path
+        raise ConfigError(
+            f"trainer.fast_dev_run={trainer.fast_dev_run} (debug=fdr) runs a few batches of each "
+            f"stage and resumes no ckpt_path={ckpt_path}: start from its weights with "
+            f"init_from={weights}, or drop debug=fdr"
+        )
+    if cfg.get("init_from") is not None:
+        read_checkpoint(cfg.init_from, key="init_from")
 
 
 def check_groups_kept(cfg: DictConfig, groups: Sequence[str]) -> None:
