@@ -198,31 +198,8 @@ def fit_and_test(
     if budgets and (why := why_no_budget_sweep(model, datamodule)):
         rank_zero_warn(f"patch_budgets skipped: {why}")
         budgets = []
-    ckpt_path = resume_from(cfg.get("ckpt_path"), trainer)
-    if not cfg.train and ckpt_path is None:  # ckpt_path=last in a folder without one
-        raise ConfigError(f"train=false tests ckpt_path={cfg.ckpt_path}, which names no checkpoint here")
     averaged = any(isinstance(c, WeightAveraging) for c in trainer.callbacks)  # callbacks=ema
-    if ckpt_path is not None:
-        checkpoint = check_resumable(
-            model,
-            cfg.model,
-            ckpt_path,
-            averaged,
-            datamodule.class_names(),
-            fitting=cfg.train,
-            seed=cfg.seed,
-        )
-        resume_epoch_ends_as_ended(trainer)
-        for callback in trainer.checkpoint_callbacks:
-            if isinstance(callback, BestCheckpoint):
-                callback.resuming = True
-        if isinstance(datamodule, PackedImageDataModule):
-            hold_out_as_its_run(datamodule, trainer, checkpoint["run_config"]["data"])
-            position = checkpoint.get(type(datamodule).__qualname__, {}).get("train_position")
-            if cfg.train and position:
-                refuse_other_ranks(position, trainer.world_size)
-    elif cfg.train and cfg.get("init_from") is not None:
-        load_initial_weights(model, cfg.model, cfg.init_from, datamodule.class_names())
+    ckpt_path = start_from(cfg, datamodule, model, trainer, averaged)
     with explain_collective_failure(trainer):
         if cfg.train:
             with requeue_when_asked(trainer):
@@ -248,6 +225,43 @@ def fit_and_test(
             swept = accuracy_across_budgets(trainer, model, datamodule, budgets, "val", tested)
             title = "val" if tested is None else "val, best checkpoint" if cfg.train else f"val, {tested}"
             report(swept, trainer, Path(cfg.paths.output_dir), title)
+
+
+def start_from(
+    cfg: DictConfig,
+    datamodule: L.LightningDataModule,
+    model: L.LightningModule,
+    trainer: L.Trainer,
+    averaged: bool,
+) -> str | None:
+    """The checkpoint the fit resumes (or train=false tests), checked, with its run's held-out
+    images kept; where there is none, init_from's weights loaded into `model`."""
+    ckpt_path = resume_from(cfg.get("ckpt_path"), trainer)
+    if not cfg.train and ckpt_path is None:  # ckpt_path=last in a folder without one
+        raise ConfigError(f"train=false tests ckpt_path={cfg.ckpt_path}, which names no checkpoint here")
+    if ckpt_path is None:
+        if cfg.train and cfg.get("init_from") is not None:
+            load_initial_weights(model, cfg.model, cfg.init_from, datamodule.class_names())
+        return None
+    checkpoint = check_resumable(
+        model,
+        cfg.model,
+        ckpt_path,
+        averaged,
+        datamodule.class_names(),
+        fitting=cfg.train,
+        seed=cfg.seed,
+    )
+    resume_epoch_ends_as_ended(trainer)
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, BestCheckpoint):
+            callback.resuming = True
+    if isinstance(datamodule, PackedImageDataModule):
+        hold_out_as_its_run(datamodule, trainer, checkpoint["run_config"]["data"])
+        position = checkpoint.get(type(datamodule).__qualname__, {}).get("train_position")
+        if cfg.train and position:
+            refuse_other_ranks(position, trainer.world_size)
+    return ckpt_path
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="train")
