@@ -2,6 +2,7 @@
 utils and errors. A layer imports only from itself and the layers below it."""
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -34,11 +35,13 @@ MAY_IMPORT["navit_lightning.bench"] = (*BELOW_ENTRY_POINTS, "navit_lightning.tra
 
 
 def project_imports(path: Path) -> set[str]:
-    """Every navit_lightning module a file imports, at its top or inside a function."""
+    """Every navit_lightning module a file imports, at its top or inside a function, relative
+    imports by the module they name (`from .. import x` in models/: navit_lightning)."""
+    package = ".".join(path.relative_to(PACKAGE.parent).parent.parts)
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
+        if isinstance(node, ast.ImportFrom):
+            names.add(importlib.util.resolve_name("." * node.level + (node.module or ""), package))
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
     return {name for name in names if name.split(".")[0] == "navit_lightning"}

@@ -12,6 +12,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassConfusionMatrix
@@ -231,6 +232,18 @@ def test_an_all_padding_filler_batch_gives_zero_loss_and_a_gradient_to_every_par
     assert all(torch.isfinite(b).all() for b in model.buffers())
 
 
+def mean_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """What image_loss should be, from torch's own mean: 0 for a batch without images."""
+    return F.cross_entropy(logits, labels) if len(labels) else logits.new_zeros(())
+
+
+def test_the_loss_is_the_mean_cross_entropy_over_the_real_images():
+    torch.manual_seed(0)
+    logits, labels = torch.randn(5, 3), torch.tensor([0, 2, 1, 1, 0])
+    torch.testing.assert_close(image_loss(logits, labels), mean_cross_entropy(logits, labels))
+    assert image_loss(logits[:0], labels[:0]).item() == 0
+
+
 def weighted_mean(losses: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
     return sum(loss * weight for loss, weight in losses) / sum(weight for _, weight in losses)
 
@@ -254,7 +267,7 @@ def test_the_epoch_loss_and_accuracy_are_means_over_the_images_of_every_rank():
                 model.validation_step(batch, index)
         logits = [model(b) for b in batches]
         labels = [b.labels[b.image_slots] for b in batches]
-        losses = [image_loss(*pair) for pair in zip(logits, labels, strict=True)]
+        losses = [mean_cross_entropy(*pair) for pair in zip(logits, labels, strict=True)]
         rank_losses.append(list(zip(losses, [b.num_images for b in batches], strict=True)))
         correct += sum(int((x.argmax(-1) == y).sum()) for x, y in zip(logits, labels, strict=True))
     per_image = weighted_mean([pair for losses in rank_losses for pair in losses])
@@ -459,7 +472,7 @@ def test_accumulated_batches_make_one_mean_over_the_steps_images(project_root, o
     for step in (batches[:2], batches[2:]):
         assert step[0].num_images != step[1].num_images  # else both means are the same
         reference.zero_grad()
-        means = [image_loss(reference(b), b.labels[b.image_slots]) for b in step]
+        means = [mean_cross_entropy(reference(b), b.labels[b.image_slots]) for b in step]
         if own_step:
             (sum(means) / len(step)).backward()
         else:
@@ -483,7 +496,7 @@ def test_at_two_ranks_a_step_moves_by_the_mean_gradient_over_every_ranks_images(
     model.trainer = SimpleNamespace(world_size=2, accumulate_grad_batches=1, strategy=strategy)
     monkeypatch.setattr(model, "log", lambda *_, **__: None)
     loss = model.training_step(batch, 0)
-    torch.testing.assert_close(loss, image_loss(model(batch), batch.labels[batch.image_slots]) * 7)
+    torch.testing.assert_close(loss, mean_cross_entropy(model(batch), batch.labels[batch.image_slots]) * 7)
     loss.backward()
     summed = [p.grad.clone() for p in model.parameters()]
     model.on_before_optimizer_step(None)

@@ -298,7 +298,7 @@ def test_the_csv_is_utf8_in_any_locale(tmp_path):
     ascii_only = {**os.environ, "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
     command = f"from tests.test_predict import write_one_row; write_one_row({str(tmp_path)!r})"
     result = subprocess.run(
-        [sys.executable, "-c", command], env=ascii_only, capture_output=True, text=True, cwd=REPO
+        [sys.executable, "-c", command], env=ascii_only, capture_output=True, text=True, cwd=REPO, timeout=120
     )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "predictions.csv").read_bytes().decode("utf-8").splitlines()[

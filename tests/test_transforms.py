@@ -16,6 +16,9 @@ def test_fit_grid_keeps_budget_and_aspect(height, width):
         assert (grid_h, grid_w) == (round(height / 16), round(width / 16))
     if min(grid_h, grid_w) > 2:
         assert abs(grid_h / grid_w - height / width) / (height / width) < 0.5
+    if height * width > 64 * 16 * 16:
+        # Larger: scaled down to the budget, of which rounding loses less than a row or column.
+        assert grid_h * grid_w > 64 - max(grid_h, grid_w)
 
 
 def test_patches_round_trip_to_the_resized_image():
