@@ -49,7 +49,9 @@ def test_attention_benchmark_measures_every_layout_on_the_same_images(tmp_path, 
 
     out = tmp_path / "bench.json"
     argv = ["--models", "navit_tiny", "--tokens", "512", "--row-len", "256", "--steps", "1", "--no-compile"]
-    argv += ["--set", "model.net.depth=1"]  # one block: the layouts and the report are what is checked
+    # two blocks (grad checkpointing saves memory from the second one on): the layouts and the
+    # report are what is checked
+    argv += ["--set", "model.net.depth=2"]
     backends = ["--backends", "sdpa", "segments", "--peers", "vit-pytorch", "--profile"]
     memory = ["--grad-checkpointing", "--memory", "--largest", "segments"]
     monkeypatch.setattr(sys, "argv", ["bench", *argv, *backends, *memory, "--json", str(out)])

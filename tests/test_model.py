@@ -10,7 +10,7 @@ from navit_lightning.data.packing import pack
 from navit_lightning.errors import ConfigError
 from navit_lightning.models import NaViT
 from navit_lightning.models.navit import PatchEmbed
-from navit_lightning.models.pooling import AttentionPool
+from navit_lightning.models.pooling import AttentionPool, MeanPool
 from navit_lightning.models.pos_embed import FactorizedPosEmbed
 from tests.test_packing import PATCH_DIM, make_sample
 
@@ -140,20 +140,41 @@ def test_the_smallest_mlp_ratio_a_refusal_suggests_builds():
 
 @pytest.mark.parametrize("scale", [1.0, 1e4])  # scores in the hundreds overflow exp() unless shifted
 def test_attention_pooling_is_each_images_softmax_attention_of_its_query(scale):
+    """Against keys formed and scored as written, forward and gradients (the module folds the
+    query into the keys' weights)."""
     torch.manual_seed(0)
     pool = AttentionPool(dim=16, heads=4).double()
     with torch.no_grad():
         pool.query.mul_(scale)
-    tokens = torch.randn(7, 16, dtype=torch.float64)
+    tokens = torch.randn(7, 16, dtype=torch.float64, requires_grad=True)
     segments = torch.tensor([0, 0, 0, 1, 1, 2, 2])  # two images; segment 2: padding, left out
     pooled = pool(tokens, segments, num_segments=2)
-    for image, rows in enumerate([slice(0, 3), slice(3, 5)]):
+    expected = []
+    for rows in [slice(0, 3), slice(3, 5)]:
         k, v = rearrange(pool.kv(tokens[rows]), "n (two h d) -> two h n d", two=2, h=4)
         attention = torch.softmax(k @ pool.query[:, :, None] / 4**0.5, dim=1)  # (h, n, 1) over n
-        expected = pool.proj(rearrange((attention * v).sum(1), "h d -> (h d)"))
-        # the module's softmax runs in float32, whatever the tokens' dtype
-        torch.testing.assert_close(pooled[image], expected, rtol=1e-5, atol=1e-5)
+        expected.append(pool.proj(rearrange((attention * v).sum(1), "h d -> (h d)")))
+    expected = torch.stack(expected)
+    # the module's softmax runs in float32, whatever the tokens' dtype
+    torch.testing.assert_close(pooled, expected, rtol=1e-5, atol=1e-5)
     assert torch.isfinite(pooled).all()
+    inputs = [tokens, *pool.parameters()]
+    weights = torch.randn_like(expected)
+    for got, want in zip(
+        torch.autograd.grad((pooled * weights).sum(), inputs),
+        torch.autograd.grad((expected * weights).sum(), inputs),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_mean_pooling_is_each_images_mean_token():
+    tokens = torch.randn(7, 16, dtype=torch.float64)
+    segments = torch.tensor([0, 0, 0, 2, 2, 3, 3])  # images 0 and 2; 1 is empty; 3: padding
+    pooled = MeanPool()(tokens, segments, num_segments=3)
+    torch.testing.assert_close(pooled[0], tokens[:3].mean(0))
+    torch.testing.assert_close(pooled[2], tokens[3:5].mean(0))
+    assert not pooled[1].any()  # an empty slot: zeros, not 0 / 0
 
 
 def test_absolute_positions_beyond_the_table_are_refused():

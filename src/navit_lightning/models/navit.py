@@ -195,12 +195,13 @@ class NaViT(nn.Module):
         tokens, squares = tokens_per_image.sum(), tokens_per_image.pow(2).sum()
         images = (tokens_per_image > 0).sum()
         d, depth = self.num_features, len(self.blocks)
-        # attention pooling's keys and values per token and its output per image (mean: none)
-        pooling = 1 if isinstance(self.pool, AttentionPool) else 0
-        per_token = depth * (8 * d * d + 4 * d * self.mlp_hidden) + pooling * 4 * d * d
-        return 2 * (2 * self.patch_dim * d) * tokens + 3 * (
-            per_token * tokens + depth * 4 * d * squares + pooling * 2 * d * d * images
-        )
+        per_token = depth * (8 * d * d + 4 * d * self.mlp_hidden)
+        per_batch = depth * 4 * d * squares
+        if isinstance(self.pool, AttentionPool):  # mean pooling: no matmul
+            # values and scores per token, the output per image, the query folded into the keys once
+            per_token += 2 * d * (d + self.pool.heads)
+            per_batch += 2 * d * d * (images + 1)
+        return 2 * (2 * self.patch_dim * d) * tokens + 3 * (per_token * tokens + per_batch)
 
 
 def init_weights(module: nn.Module) -> None:

@@ -7,7 +7,8 @@ linear in the number of tokens whatever the number of images.
 from __future__ import annotations
 
 import torch
-from einops import rearrange
+import torch.nn.functional as F
+from einops import einsum, rearrange
 from torch import nn
 
 from navit_lightning.batch import PAD_ID
@@ -45,7 +46,13 @@ def segment_softmax(scores: torch.Tensor, segments: torch.Tensor, num_segments: 
 
 
 class AttentionPool(nn.Module):
-    """A learned query per head attends over each image's tokens (as in NaViT's MAP head)."""
+    """A learned query per head attends over each image's tokens (as in NaViT's MAP head).
+
+    Its keys are never formed: a head's score of a token x is (W_k x + b_k) . q =
+    x . (W_k^T q) + b_k . q, one (dim -> heads) product where the keys took a (dim -> dim) one
+    and then their product with the query. b_k . q adds the same to all of a head's scores,
+    which the softmax takes out: the keys' bias is left out (its gradient was always zero).
+    kv keeps the keys' and values' weights in one Linear, as checkpoints hold them."""
 
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
@@ -57,8 +64,12 @@ class AttentionPool(nn.Module):
     def forward(self, x: torch.Tensor, segments: torch.Tensor, num_segments: int) -> torch.Tensor:
         """(N, D) tokens of (N,) segments -> (num_segments, D), one vector per segment (those
         without tokens are meaningless); tokens of segment `num_segments` are left out."""
-        k, v = rearrange(self.kv(x), "n (two h d) -> two n h d", two=2, h=self.heads)
-        scores = (k * self.query).sum(-1) * k.shape[-1] ** -0.5  # (N, H)
+        key_weight, value_weight = self.kv.weight.chunk(2)  # (D, D) each
+        value_bias = self.kv.bias.chunk(2)[1]
+        query = self.query * self.query.shape[-1] ** -0.5  # (H, d)
+        score_weight = einsum(key_weight.unflatten(0, (self.heads, -1)), query, "h d c, h d -> h c")
+        scores = F.linear(x, score_weight)  # (N, H)
+        v = F.linear(x, value_weight, value_bias).unflatten(-1, (self.heads, -1))  # (N, H, d)
         weights = segment_softmax(scores.float(), segments, num_segments + 1)
         pooled = segment_sum(weights.to(v.dtype)[..., None] * v, segments, num_segments + 1)
         return self.proj(rearrange(pooled[:-1], "s h d -> s (h d)"))
