@@ -120,6 +120,23 @@ def config(*overrides: str):
         (0, ["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0 must be 1"),
         (0, ["trainer.accumulate_grad_batches=true"], "trainer.accumulate_grad_batches=True must be 1"),
         (0, ["trainer.gradient_clip_val=-1"], "a negative bound reverses every gradient"),
+        # Lightning's constructor took these; they failed mid-fit in a traceback, in every rank
+        (0, ["trainer.gradient_clip_val=abc"], "trainer.gradient_clip_val=abc must be a number"),
+        (0, ["trainer.val_check_interval=0"], "trainer.val_check_interval=0 must be a number of training"),
+        (
+            0,
+            ["trainer.val_check_interval=1.5"],
+            "val_check_interval=1.5 must be a number of training batches",
+        ),
+        (0, ["trainer.limit_val_batches=1.5"], "trainer.limit_val_batches=1.5 must be a number of batches"),
+        (0, ["trainer.max_epochs=abc"], "trainer.max_epochs=abc must be a whole number, or -1"),
+        (0, ["trainer.log_every_n_steps=abc"], "trainer.log_every_n_steps=abc must be a whole number"),
+        (0, ["trainer.num_nodes=abc"], "trainer.num_nodes=abc must be a whole number above 0"),
+        (0, ["trainer.limit_val_batches=abc"], "trainer.limit_val_batches=abc must be a number of batches"),
+        (0, ["trainer.devices=-3"], "trainer.devices=-3 must be a count (1 or more), -1 or auto"),
+        (0, ["trainer.devices=[]"], "must be a count (1 or more), -1 or auto for every device"),
+        # read as "not warn": torch's deterministic algorithms were left off
+        (0, ["trainer.deterministic=warning"], "trainer.deterministic=warning must be true, false or warn"),
         (0, ["trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch=0 must be 1 or more"),
         (0, ["trainer.limit_train_batches=0"], "trainer.limit_train_batches=0 trains no batch"),
         (0, ["trainer.max_epochs=0"], "trainer.max_epochs=0 trains no batch"),
@@ -683,7 +700,7 @@ def test_null_is_refused_for_a_config_group_and_taken_for_a_setting(capsys, argu
     ("overrides", "message"),
     [
         (["trainer.precision=16-mixed"], "trainer.precision=16-mixed needs a CUDA GPU"),
-        (["trainer.devices=0"], "trainer: `Trainer(devices=0)` value is not a valid input"),
+        (["trainer.precision=bogus"], "trainer: Precision 'bogus' is invalid. Allowed precision values"),
         (["logger=null"], "logger=null: Hydra cannot set a config group to null; ~logger removes it"),
         (["model.compile=off"], "model.compile=off must be true or false"),
         (["data.max_patches=200"], "data.max_patches=200 exceeds data.row_len=144"),

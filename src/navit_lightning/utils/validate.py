@@ -4,6 +4,7 @@ otherwise fail deep inside Lightning or torch (or silently do something else).""
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -22,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from navit_lightning import config_options
-from navit_lightning.errors import ConfigError, is_count, is_whole, require_counts
+from navit_lightning.errors import ConfigError, is_count, is_number, is_whole, require_counts
 from navit_lightning.utils.checkpoints import (
     CKPT_PATH_EXAMPLE,
     LIGHTNING_CKPT_NAMES,
@@ -81,6 +82,7 @@ def check_launch(cfg: DictConfig, training: bool = True) -> None:
     if training:
         check_seed(cfg.get("seed"))
     trainer = cfg.trainer
+    check_trainer_types(trainer)
     if "strategy" not in trainer:  # ~strategy: Lightning's default
         with open_dict(trainer):
             trainer.strategy = "auto"
@@ -262,6 +264,60 @@ def check_seed(seed: object) -> None:
         )
 
 
+def check_trainer_types(trainer: DictConfig) -> None:
+    """Trainer settings that Lightning's constructor takes unchecked and then fails on, mid-fit
+    and in every rank (a string compared or divided by: max_epochs=abc, log_every_n_steps=abc),
+    or reads as another setting (deterministic=warning: no deterministic algorithms)."""
+    require_counts("trainer", num_nodes=trainer.get("num_nodes"))
+    devices = trainer.get("devices")
+    if not is_devices(devices):
+        raise ConfigError(
+            f"trainer.devices={devices} must be a count (1 or more), -1 or auto for every device, "
+            "or device indices ([0,1] or '0,1')"
+        )
+    for name in ("max_epochs", "max_steps"):
+        value = trainer.get(name)
+        if value is not None and not (is_whole(value) and value >= -1):
+            raise ConfigError(f"trainer.{name}={value} must be a whole number, or -1 for no limit")
+    for stage in ("train", "val", "test", "predict"):
+        value = trainer.get(f"limit_{stage}_batches")
+        if value is not None and not is_batches(value, least=0):
+            raise ConfigError(
+                f"trainer.limit_{stage}_batches={value} must be a number of batches (0 or more) "
+                "or a share of them (0.0 to 1.0)"
+            )
+    every = trainer.get("log_every_n_steps")
+    if every is not None and not (is_whole(every) and every >= 0):
+        raise ConfigError(
+            f"trainer.log_every_n_steps={every} must be a whole number of steps (0: no step logs)"
+        )
+    deterministic = trainer.get("deterministic")
+    if not (deterministic is None or isinstance(deterministic, bool) or deterministic == "warn"):
+        raise ConfigError(
+            f"trainer.deterministic={deterministic} must be true, false or warn (deterministic "
+            "algorithms, a warning for an op that has none)"
+        )
+
+
+def is_batches(value: object, least: int) -> bool:
+    """A number of batches Lightning takes: a whole number from `least`, or a share of an
+    epoch's from 0.0 to 1.0 (a float, which Lightning refused only after its first lines)."""
+    return (is_whole(value) and value >= least) or (is_number(value) and 0.0 <= value <= 1.0)
+
+
+def is_devices(devices: object) -> bool:
+    """A form of trainer.devices that Lightning reads (see device_count)."""
+    if devices in ("auto", "-1") or (is_whole(devices) and (devices >= 1 or devices == -1)):
+        return True
+    if isinstance(devices, str):
+        return re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*", devices) is not None
+    return (
+        isinstance(devices, Sequence)
+        and len(devices) > 0
+        and all(is_whole(index) and index >= 0 for index in devices)
+    )
+
+
 def check_training_numbers(trainer: DictConfig) -> None:
     """What Lightning takes and then fails on mid-fit, in every rank, or trains wrongly with."""
     accumulate = trainer.get("accumulate_grad_batches", 1)
@@ -278,7 +334,19 @@ def check_training_numbers(trainer: DictConfig) -> None:
             f"trainer.check_val_every_n_epoch={every} must be 1 or more (validate every N epochs), "
             "or null with an integer trainer.val_check_interval (every N steps)"
         )
+    interval = trainer.get("val_check_interval")
+    if interval is not None and not (is_batches(interval, least=1) and interval > 0):
+        # 0 failed in a ZeroDivisionError after the first step
+        raise ConfigError(
+            f"trainer.val_check_interval={interval} must be a number of training batches (1 or "
+            "more: validate every N) or a share of an epoch (above 0.0, up to 1.0)"
+        )
     clip = trainer.get("gradient_clip_val")
+    if clip is not None and not is_number(clip):
+        raise ConfigError(
+            f"trainer.gradient_clip_val={clip} must be a number (the largest gradient norm), or null "
+            "for no clipping"
+        )
     if clip is not None and clip < 0:
         raise ConfigError(
             f"trainer.gradient_clip_val={clip}: a negative bound reverses every gradient; use a "
