@@ -702,6 +702,8 @@ def test_null_is_refused_for_a_config_group_and_taken_for_a_setting(capsys, argu
         (["trainer.precision=16-mixed"], "trainer.precision=16-mixed needs a CUDA GPU"),
         (["trainer.precision=bogus"], "trainer: Precision 'bogus' is invalid. Allowed precision values"),
         (["logger=null"], "logger=null: Hydra cannot set a config group to null; ~logger removes it"),
+        # Hydra's advice for ckpt_pth=last: the run trained from scratch, exit code 0
+        (["+ckpt_pth=last"], "+ckpt_pth=last adds a setting that nothing reads (did you mean ckpt_path?)"),
         (["model.compile=off"], "model.compile=off must be true or false"),
         (["data.max_patches=200"], "data.max_patches=200 exceeds data.row_len=144"),
         (["model.head=mlp"], "model.head='mlp' is unknown: use one of ['bn_mlp', 'linear']"),

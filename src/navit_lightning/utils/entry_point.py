@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
 import re
@@ -16,6 +17,7 @@ from typing import Any, TextIO, TypeVar
 
 import lightning as L
 from hydra._internal.utils import get_args_parser
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities import rank_zero_info
@@ -99,8 +101,27 @@ def run_task(task: Callable[[DictConfig], T], cfg: DictConfig, from_checkpoint: 
     if from_checkpoint:
         warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`")
     with refuse_bad_input():
+        refuse_unread_settings(cfg)
         files_from_the_command_folder(cfg, from_checkpoint)
         return task(cfg)
+
+
+def refuse_unread_settings(cfg: DictConfig) -> None:
+    """`+ckpt_pth=last`, Hydra's own advice for a name its config lacks, added a setting that
+    nothing reads, and the run went on without the one meant (here from scratch): a top-level
+    setting added with + must be a config group."""
+    if not HydraConfig.initialized():
+        return
+    for override in HydraConfig.get().overrides.task:
+        key = override.partition("=")[0]
+        name = key.lstrip("+")
+        if key == name or "." in name or "/" in name or config_options(name.partition("@")[0]):
+            continue
+        close = difflib.get_close_matches(name, [str(setting) for setting in cfg if setting != name], n=1)
+        meant = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(
+            f"{override} adds a setting that nothing reads{meant}: --cfg job lists the command's settings"
+        )
 
 
 def files_from_the_command_folder(cfg: DictConfig, from_checkpoint: bool = False) -> None:
