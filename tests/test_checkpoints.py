@@ -480,10 +480,13 @@ def test_init_from_starts_from_the_runs_weights(run_entry_point):
 
 @pytest.mark.slow
 def test_ckpt_path_last_without_a_checkpoint_starts_fresh_and_a_bad_one_is_refused(run_entry_point):
+    """A fresh start is a warning (a run folder named wrong trains from scratch, exit code 0)."""
     fresh = run_entry_point("train.py", *TINY_RUN, "ckpt_path=last")
     output = fresh.stdout + fresh.stderr
     assert re.search(
-        r"ckpt_path=last: no last checkpoint \(\S+/checkpoints/last.ckpt\): starting afresh", output
+        r"train.py:\d+: ckpt_path=last: no last checkpoint \(\S+/checkpoints/last.ckpt\): starting afresh "
+        r"\(a run resumes in its own folder: hydra.run.dir=",
+        output,
     )
     assert "save_last=True" not in output  # Lightning's advice, which the config already follows
     bad = run_entry_point.root / "bad.ckpt"

@@ -136,8 +136,10 @@ def resume_from(ckpt_path: str | None, trainer: L.Trainer) -> str | None:
     existing = [last for last in lasts if last.is_file()]
     if existing:
         return str(max(existing, key=lambda last: last.stat().st_mtime))
-    rank_zero_info(
-        f"ckpt_path=last: no last checkpoint ({' or '.join(map(str, sorted(lasts)))}): starting afresh"
+    # a warning: a run folder named wrong (or left out) trains from scratch, exit code 0
+    rank_zero_warn(
+        f"ckpt_path=last: no last checkpoint ({' or '.join(map(str, sorted(lasts)))}): starting afresh "
+        "(a run resumes in its own folder: hydra.run.dir=logs/train/runs/<run>)"
     )
     return None
 
