@@ -335,11 +335,12 @@ def check_training_numbers(trainer: DictConfig) -> None:
             "or null with an integer trainer.val_check_interval (every N steps)"
         )
     interval = trainer.get("val_check_interval")
-    if interval is not None and not (is_batches(interval, least=1) and interval > 0):
-        # 0 failed in a ZeroDivisionError after the first step
+    # a number; Lightning reads a time ("00:00:10:00", a dict) itself. 0 failed in a
+    # ZeroDivisionError after the first step.
+    if is_number(interval) and not (is_batches(interval, least=1) and interval > 0):
         raise ConfigError(
             f"trainer.val_check_interval={interval} must be a number of training batches (1 or "
-            "more: validate every N) or a share of an epoch (above 0.0, up to 1.0)"
+            "more: validate every N), a share of an epoch (above 0.0, up to 1.0) or a time (DD:HH:MM:SS)"
         )
     clip = trainer.get("gradient_clip_val")
     if clip is not None and not is_number(clip):
