@@ -301,7 +301,7 @@ def check_trainer_types(trainer: DictConfig) -> None:
 
 def is_batches(value: object, least: int) -> bool:
     """A number of batches Lightning takes: a whole number from `least`, or a share of an
-    epoch's from 0.0 to 1.0 (a float, which Lightning refused only after its first lines)."""
+    epoch's from 0.0 to 1.0 (Lightning refused a float above 1.0 only after its first lines)."""
     return (is_whole(value) and value >= least) or (is_number(value) and 0.0 <= value <= 1.0)
 
 
