@@ -143,6 +143,11 @@ def config(*overrides: str):
         (0, ["trainer.max_steps=0"], "trainer.max_steps=0 trains no batch"),
         (
             0,
+            ["trainer.limit_test_batches=0"],
+            "trainer.limit_test_batches=0 tests no batch: leave it out, or",
+        ),
+        (
+            0,
             ["debug=fdr", "ckpt_path=last"],
             "trainer.fast_dev_run=True (debug=fdr) runs a few batches of each stage and resumes no "
             "ckpt_path=last: start from its weights with init_from=logs/train/runs/<run>/checkpoints/",

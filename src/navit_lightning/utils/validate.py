@@ -186,7 +186,7 @@ def check_callbacks(cfg: DictConfig) -> None:
 
 def check_starting_point(cfg: DictConfig, trainer: DictConfig) -> None:
     """What the fit starts from (a checkpoint to resume or to test, init_from's weights) and
-    whether it has anything to train."""
+    whether it has anything to train, and to test."""
     ckpt_path, fitting = cfg.get("ckpt_path"), cfg.get("train", True)
     # Lightning skips the fit, and the run exited 0, testing its untrained weights (a run
     # from a checkpoint's weights may have nothing left to train: its epoch is past them)
@@ -200,6 +200,10 @@ def check_starting_point(cfg: DictConfig, trainer: DictConfig) -> None:
         raise ConfigError(
             f"{untrained[0]} trains no batch (Lightning skips the fit): leave it out, or test a "
             f"checkpoint with train=false ckpt_path={CKPT_PATH_EXAMPLE} (or eval.py)"
+        )
+    if cfg.get("test") and trainer.get("limit_test_batches") == 0:  # Lightning skipped the test, exit 0
+        raise ConfigError(
+            "trainer.limit_test_batches=0 tests no batch: leave it out, or test=false to skip the test"
         )
     if not fitting and ckpt_path is None:
         raise ConfigError(
